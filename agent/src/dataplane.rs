@@ -1,0 +1,244 @@
+//! Loads the embedded eBPF object, pins its maps, attaches socket LB to a cgroup2 directory
+//! and TC LB to interfaces, and gives the map writer typed access to the maps.
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{bail, Context, Result};
+use aya::{
+    maps::{HashMap as BpfHashMap, Map, MapData, MapError as AyaMapError, PerCpuArray},
+    programs::{CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType},
+    Ebpf, EbpfLoader,
+};
+use gardenet_common::*;
+
+use crate::lbmap::{LbMaps, MapDump, MapError};
+
+/// The eBPF object built by `cargo xtask build-ebpf`, embedded at compile time.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gardenet.bpf.o"));
+
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/gardenet";
+
+/// Map sizes (entries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub sock_revnat: u32,
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        MapSizes {
+            services: DEFAULT_SERVICES_MAX,
+            backends: DEFAULT_BACKENDS_MAX,
+            sock_revnat: DEFAULT_SOCK_REVNAT_MAX,
+            conntrack: DEFAULT_CT_MAX,
+        }
+    }
+}
+
+pub struct Dataplane {
+    ebpf: Ebpf,
+    pin_dir: PathBuf,
+    tc_interfaces: Vec<String>,
+}
+
+/// Makes sure `dir` sits on a bpffs, mounting one at the parent `/sys/fs/bpf` style mount
+/// point when nothing is mounted there yet.
+pub fn ensure_bpffs(dir: &Path) -> Result<()> {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let on_bpffs = |p: &Path| {
+        mounts.lines().any(|l| {
+            let mut f = l.split_whitespace();
+            let (_, mp, ty) = (f.next(), f.next(), f.next());
+            ty == Some("bpf") && mp.is_some_and(|mp| p.starts_with(mp))
+        })
+    };
+    if on_bpffs(dir) {
+        return Ok(());
+    }
+    let mp = dir.parent().unwrap_or(dir);
+    fs::create_dir_all(mp).with_context(|| format!("creating {}", mp.display()))?;
+    let src = std::ffi::CString::new("bpffs")?;
+    let target = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
+    let ty = std::ffi::CString::new("bpf")?;
+    // SAFETY: plain mount(2) with valid NUL-terminated strings.
+    let rc = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), ty.as_ptr(), 0, std::ptr::null()) };
+    if rc != 0 {
+        bail!("{} is not on a bpffs and mounting one at {} failed: {}", dir.display(), mp.display(), std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Removes all pinned maps under `dir` (used by `--reset`).
+pub fn remove_pins(dir: &Path) -> Result<()> {
+    if dir.exists() {
+        fs::remove_dir_all(dir).with_context(|| format!("removing pins in {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+impl Dataplane {
+    /// Loads programs and maps. Maps already pinned in `pin_dir` are reused, so a restarted
+    /// agent keeps services and conntrack entries.
+    pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Self> {
+        ensure_bpffs(pin_dir)?;
+        fs::create_dir_all(pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(pin_dir)
+            .map_max_entries(MAP_SERVICES, sizes.services)
+            .map_max_entries(MAP_BACKENDS, sizes.backends)
+            .map_max_entries(MAP_SOCK_REVNAT, sizes.sock_revnat)
+            .map_max_entries(MAP_CT, sizes.conntrack)
+            .load(EBPF_OBJECT)
+            .context("loading the eBPF object (maps pinned with other sizes? start with --reset)")?;
+        for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4] {
+            let p: &mut CgroupSockAddr = prog_mut(&mut ebpf, name)?;
+            p.load().with_context(|| format!("verifier rejected {name}"))?;
+        }
+        for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
+            let p: &mut SchedClassifier = prog_mut(&mut ebpf, name)?;
+            p.load().with_context(|| format!("verifier rejected {name}"))?;
+        }
+        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), tc_interfaces: Vec::new() })
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
+    /// Attaches the socket-LB hooks to a cgroup2 directory. Multi mode: other programs on the
+    /// cgroup keep running.
+    pub fn attach_socket_lb(&mut self, cgroup: &Path) -> Result<()> {
+        let f = fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+        for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4] {
+            let p: &mut CgroupSockAddr = prog_mut(&mut self.ebpf, name)?;
+            p.attach(&f, CgroupAttachMode::AllowMultiple)
+                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Attaches TC LB (ingress DNAT + egress reverse NAT) to `iface`: tcx on kernels that have
+    /// it, a clsact qdisc and cls_bpf otherwise (aya picks).
+    pub fn attach_tc(&mut self, iface: &str) -> Result<()> {
+        if aya::util::KernelVersion::current().map_or(true, |v| v < aya::util::KernelVersion::new(6, 6, 0)) {
+            // Legacy path needs the clsact qdisc; "exists" is fine.
+            let _ = aya::programs::tc::qdisc_add_clsact(iface);
+        }
+        for (name, ty) in [(PROG_TC_INGRESS, TcAttachType::Ingress), (PROG_TC_EGRESS, TcAttachType::Egress)] {
+            let p: &mut SchedClassifier = prog_mut(&mut self.ebpf, name)?;
+            p.attach(iface, ty).with_context(|| format!("attaching {name} to {iface}"))?;
+        }
+        self.tc_interfaces.push(iface.to_owned());
+        Ok(())
+    }
+
+    pub fn tc_interfaces(&self) -> &[String] {
+        &self.tc_interfaces
+    }
+
+    /// Typed handles on the service and backend maps, for the map writer.
+    pub fn lb_maps(&mut self) -> Result<AyaLbMaps> {
+        let services = self.ebpf.take_map(MAP_SERVICES).context("no services map")?;
+        let backends = self.ebpf.take_map(MAP_BACKENDS).context("no backends map")?;
+        Ok(AyaLbMaps { services: BpfHashMap::try_from(services)?, backends: BpfHashMap::try_from(backends)? })
+    }
+
+    /// Per-CPU datapath counters, summed.
+    pub fn stats(&self) -> Result<Vec<(&'static str, u64)>> {
+        let m: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(self.ebpf.map(MAP_STATS).context("no stats map")?)?;
+        let mut out = Vec::new();
+        for (i, name) in STAT_NAMES.iter().enumerate() {
+            let v = m.get(&(i as u32), 0)?;
+            out.push((*name, v.iter().sum()));
+        }
+        Ok(out)
+    }
+}
+
+fn prog_mut<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    let p = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the object"))?;
+    Ok(p.try_into()?)
+}
+
+/// The service and backend maps, owned by the writer.
+pub struct AyaLbMaps {
+    services: BpfHashMap<MapData, ServiceKey4, ServiceValue4>,
+    backends: BpfHashMap<MapData, u32, Backend4>,
+}
+
+impl AyaLbMaps {
+    pub fn dump(&self) -> MapDump {
+        dump_maps(&self.services, &self.backends)
+    }
+}
+
+fn map_err(map: &'static str, op: String, e: AyaMapError) -> MapError {
+    match e {
+        AyaMapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::E2BIG) => MapError::Full { map, op },
+        AyaMapError::SyscallError(s) => MapError::Io { map, op, source: s.io_error },
+        other => MapError::Other(format!("map {map}: {op}: {other}")),
+    }
+}
+
+fn ignore_missing(r: Result<(), AyaMapError>) -> Result<(), AyaMapError> {
+    match r {
+        Err(AyaMapError::KeyNotFound) => Ok(()),
+        Err(AyaMapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        r => r,
+    }
+}
+
+impl LbMaps for AyaLbMaps {
+    fn put_backend(&mut self, id: u32, be: &Backend4) -> Result<(), MapError> {
+        self.backends.insert(id, be, 0).map_err(|e| map_err(MAP_BACKENDS_NAME, format!("put backend {id}"), e))
+    }
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
+        ignore_missing(self.backends.remove(&id)).map_err(|e| map_err(MAP_BACKENDS_NAME, format!("delete backend {id}"), e))
+    }
+    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue4) -> Result<(), MapError> {
+        self.services.insert(key, val, 0).map_err(|e| map_err(MAP_SERVICES_NAME, format!("put {key:?}"), e))
+    }
+    fn del_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
+        ignore_missing(self.services.remove(key)).map_err(|e| map_err(MAP_SERVICES_NAME, format!("delete {key:?}"), e))
+    }
+}
+
+const MAP_SERVICES_NAME: &str = MAP_SERVICES;
+const MAP_BACKENDS_NAME: &str = MAP_BACKENDS;
+
+fn dump_maps(
+    services: &BpfHashMap<MapData, ServiceKey4, ServiceValue4>,
+    backends: &BpfHashMap<MapData, u32, Backend4>,
+) -> MapDump {
+    MapDump {
+        services: services.iter().filter_map(|r| r.ok()).collect(),
+        backends: backends.iter().filter_map(|r| r.ok()).collect(),
+    }
+}
+
+/// Reads the pinned maps of a (possibly running) agent: what `lb list` shows.
+pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
+    let open = |name: &str| -> Result<Map> {
+        let p = pin_dir.join(name);
+        let data = MapData::from_pin(&p).with_context(|| format!("opening pinned map {} (is the agent running with --bpffs {}?)", p.display(), pin_dir.display()))?;
+        Ok(Map::HashMap(data))
+    };
+    let services: BpfHashMap<MapData, ServiceKey4, ServiceValue4> = BpfHashMap::try_from(open(MAP_SERVICES)?)?;
+    let backends: BpfHashMap<MapData, u32, Backend4> = BpfHashMap::try_from(open(MAP_BACKENDS)?)?;
+    Ok(dump_maps(&services, &backends))
+}
+
+/// Number of entries in the pinned conntrack map (for `lb list` and metrics).
+pub fn conntrack_entries(pin_dir: &Path) -> Result<usize> {
+    let data = MapData::from_pin(pin_dir.join(MAP_CT))?;
+    let ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(data))?;
+    Ok(ct.keys().filter(|k| k.is_ok()).count())
+}

@@ -1,0 +1,397 @@
+//! Source events -> per-Service translation -> make-before-break map writes.
+//!
+//! Only the Services touched by an event are re-translated and re-programmed, so one
+//! EndpointSlice change costs map writes proportional to its own endpoints.
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+use crate::{
+    lbmap::{LbMaps, LbState, Writes},
+    model::Frontend,
+    source::SourceEvent,
+    translate::{self, NodeInfo, Problem},
+};
+
+/// Counters the agent reports (logs, metrics).
+#[derive(Clone, Debug, Default)]
+pub struct PipelineStats {
+    pub problems: u64,
+    pub conflicts: u64,
+    pub map_errors: u64,
+    pub writes: Writes,
+    pub flushes: u64,
+}
+
+/// What one flush did.
+#[derive(Clone, Debug, Default)]
+pub struct FlushReport {
+    pub services: usize,
+    pub writes: Writes,
+    pub problems: Vec<Problem>,
+}
+
+pub struct Pipeline<M: LbMaps> {
+    maps: M,
+    lb: LbState,
+    node: NodeInfo,
+    services: HashMap<String, Service>,
+    slices: HashMap<String, EndpointSlice>,
+    slices_by_svc: HashMap<String, BTreeSet<String>>,
+    /// Frontends each Service currently owns in the maps.
+    owned: HashMap<String, BTreeSet<Frontend>>,
+    owner: HashMap<Frontend, String>,
+    /// Services that wanted a frontend someone else owns; retried when it is released.
+    contenders: HashMap<Frontend, BTreeSet<String>>,
+    dirty: BTreeSet<String>,
+    synced: bool,
+    pruned: bool,
+    resync: Option<(HashSet<String>, HashSet<String>)>,
+    pub stats: PipelineStats,
+}
+
+fn obj_key(ns: Option<&String>, name: Option<&String>) -> String {
+    format!("{}/{}", ns.map(String::as_str).unwrap_or("default"), name.map(String::as_str).unwrap_or(""))
+}
+
+impl<M: LbMaps> Pipeline<M> {
+    /// `lb` is the writer's view of the maps: empty, or adopted from a previous agent.
+    pub fn new(maps: M, lb: LbState, node: NodeInfo) -> Self {
+        Pipeline {
+            maps,
+            lb,
+            node,
+            services: HashMap::new(),
+            slices: HashMap::new(),
+            slices_by_svc: HashMap::new(),
+            owned: HashMap::new(),
+            owner: HashMap::new(),
+            contenders: HashMap::new(),
+            dirty: BTreeSet::new(),
+            synced: false,
+            pruned: false,
+            resync: None,
+            stats: PipelineStats::default(),
+        }
+    }
+
+    pub fn is_synced(&self) -> bool {
+        self.synced
+    }
+
+    pub fn maps(&self) -> &M {
+        &self.maps
+    }
+
+    pub fn lb(&self) -> &LbState {
+        &self.lb
+    }
+
+    pub fn handle(&mut self, ev: SourceEvent) {
+        match ev {
+            SourceEvent::ServiceApplied(s) => {
+                let k = translate::service_key(&s);
+                self.seen(Some(&k), None);
+                self.dirty.insert(k.clone());
+                self.services.insert(k, *s);
+            }
+            SourceEvent::ServiceDeleted(s) => {
+                let k = translate::service_key(&s);
+                self.services.remove(&k);
+                self.dirty.insert(k);
+            }
+            SourceEvent::SliceApplied(sl) => {
+                let k = obj_key(sl.metadata.namespace.as_ref(), sl.metadata.name.as_ref());
+                self.seen(None, Some(&k));
+                self.remove_slice(&k);
+                if let Some(svc) = translate::slice_service_key(&sl) {
+                    self.slices_by_svc.entry(svc.clone()).or_default().insert(k.clone());
+                    self.dirty.insert(svc);
+                }
+                self.slices.insert(k, *sl);
+            }
+            SourceEvent::SliceDeleted(sl) => {
+                let k = obj_key(sl.metadata.namespace.as_ref(), sl.metadata.name.as_ref());
+                self.remove_slice(&k);
+            }
+            SourceEvent::NodeApplied(n) => {
+                let node = node_info(&n);
+                if node.addresses != self.node.addresses || node.zone != self.node.zone {
+                    self.node = NodeInfo { name: self.node.name.clone(), ..node };
+                    self.dirty.extend(self.services.keys().cloned());
+                }
+            }
+            SourceEvent::Resync => self.resync = Some(Default::default()),
+            SourceEvent::Synced => {
+                if let Some((svcs, slices)) = self.resync.take() {
+                    let gone: Vec<String> = self.services.keys().filter(|k| !svcs.contains(*k)).cloned().collect();
+                    for k in gone {
+                        self.services.remove(&k);
+                        self.dirty.insert(k);
+                    }
+                    let gone: Vec<String> = self.slices.keys().filter(|k| !slices.contains(*k)).cloned().collect();
+                    for k in gone {
+                        self.remove_slice(&k);
+                    }
+                }
+                self.synced = true;
+            }
+        }
+    }
+
+    fn seen(&mut self, svc: Option<&String>, slice: Option<&String>) {
+        if let Some((svcs, slices)) = &mut self.resync {
+            svcs.extend(svc.cloned());
+            slices.extend(slice.cloned());
+        }
+    }
+
+    fn remove_slice(&mut self, k: &str) {
+        if let Some(old) = self.slices.remove(k) {
+            if let Some(svc) = translate::slice_service_key(&old) {
+                if let Some(set) = self.slices_by_svc.get_mut(&svc) {
+                    set.remove(k);
+                    if set.is_empty() {
+                        self.slices_by_svc.remove(&svc);
+                    }
+                }
+                self.dirty.insert(svc);
+            }
+        }
+    }
+
+    /// Programs every Service touched since the last flush. Does nothing before the source's
+    /// first full sync, so a restarted agent never deletes what it has not seen yet.
+    pub fn flush(&mut self) -> FlushReport {
+        let mut rep = FlushReport::default();
+        if !self.synced {
+            return rep;
+        }
+        self.stats.flushes += 1;
+        while let Some(k) = self.dirty.pop_first() {
+            rep.services += 1;
+            self.apply_service(&k, &mut rep);
+        }
+        if !self.pruned {
+            // Frontends adopted from a previous run that no Service claims any more.
+            self.pruned = true;
+            let stale: Vec<Frontend> = self.lb.frontends().filter(|f| !self.owner.contains_key(f)).copied().collect();
+            for fe in stale {
+                match self.lb.delete(&mut self.maps, &fe) {
+                    Ok(w) => rep.writes += w,
+                    Err(e) => self.map_error(&mut rep, "-", format!("deleting stale frontend {fe}: {e}")),
+                }
+            }
+        }
+        for p in &rep.problems {
+            tracing::warn!(service = %p.service, "{}", p.message);
+        }
+        self.stats.writes += rep.writes;
+        rep
+    }
+
+    fn map_error(&mut self, rep: &mut FlushReport, svc: &str, message: String) {
+        self.stats.map_errors += 1;
+        rep.problems.push(Problem { service: svc.to_owned(), message });
+    }
+
+    fn apply_service(&mut self, key: &str, rep: &mut FlushReport) {
+        let t = match self.services.get(key) {
+            Some(svc) => {
+                let slices: Vec<&EndpointSlice> = self
+                    .slices_by_svc
+                    .get(key)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|k| self.slices.get(k))
+                    .collect();
+                translate::translate(svc, &slices, &self.node)
+            }
+            None => Default::default(),
+        };
+        self.stats.problems += t.problems.len() as u64;
+        rep.problems.extend(t.problems);
+        if let Some(why) = &t.skipped {
+            tracing::debug!(service = key, "not handled by gardenet: {why}");
+        }
+
+        let old = self.owned.remove(key).unwrap_or_default();
+        let mut now_owned = BTreeSet::new();
+        for (fe, spec) in &t.frontends {
+            if let Some(o) = self.owner.get(fe) {
+                if o != key {
+                    self.stats.conflicts += 1;
+                    rep.problems.push(Problem { service: key.into(), message: format!("frontend {fe} is already used by service {o}; not programmed") });
+                    self.contenders.entry(*fe).or_default().insert(key.into());
+                    continue;
+                }
+            }
+            match self.lb.upsert(&mut self.maps, fe, spec) {
+                Ok(w) => {
+                    rep.writes += w;
+                    self.owner.insert(*fe, key.into());
+                    now_owned.insert(*fe);
+                    if let Some(c) = self.contenders.get_mut(fe) {
+                        c.remove(key);
+                    }
+                }
+                Err(e) => {
+                    // The previous programming (if any) is intact: keep owning it.
+                    if old.contains(fe) {
+                        now_owned.insert(*fe);
+                    }
+                    self.map_error(rep, key, format!("frontend {fe}: {e}"));
+                }
+            }
+        }
+        for fe in old.difference(&now_owned) {
+            match self.lb.delete(&mut self.maps, fe) {
+                Ok(w) => rep.writes += w,
+                Err(e) => {
+                    self.map_error(rep, key, format!("deleting frontend {fe}: {e}"));
+                    continue;
+                }
+            }
+            self.owner.remove(fe);
+            if let Some(c) = self.contenders.remove(fe) {
+                self.dirty.extend(c);
+            }
+        }
+        if !now_owned.is_empty() {
+            self.owned.insert(key.into(), now_owned);
+        }
+    }
+}
+
+/// Node addresses (InternalIP and ExternalIP, IPv4) and zone label.
+pub fn node_info(n: &k8s_openapi::api::core::v1::Node) -> NodeInfo {
+    let mut addresses = Vec::new();
+    for a in n.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten() {
+        if matches!(a.type_.as_str(), "InternalIP" | "ExternalIP") {
+            if let Ok(ip) = a.address.parse() {
+                if !addresses.contains(&ip) {
+                    addresses.push(ip);
+                }
+            }
+        }
+    }
+    let zone = n.metadata.labels.as_ref().and_then(|l| l.get("topology.kubernetes.io/zone")).cloned();
+    NodeInfo { name: n.metadata.name.clone().unwrap_or_default(), addresses, zone }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{lbmap::MemMaps, translate::tests::{slice, svc}};
+
+    fn web(ip: &str, name: &str) -> Service {
+        svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"))
+    }
+    fn eps(svc_name: &str, name: &str, ips: &[&str]) -> EndpointSlice {
+        let e: Vec<String> = ips.iter().map(|i| format!("{{addresses: [{i}]}}")).collect();
+        slice(&format!("metadata: {{name: {name}, namespace: d, labels: {{kubernetes.io/service-name: {svc_name}}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{}]", e.join(",")))
+    }
+    fn pipeline() -> Pipeline<MemMaps> {
+        Pipeline::new(MemMaps::checked(), LbState::new(), NodeInfo::default())
+    }
+    fn backends(p: &Pipeline<MemMaps>, fe: &str) -> Vec<String> {
+        let fe: Frontend = fe.parse().unwrap();
+        p.maps().dump().frontends().into_iter().find(|d| d.frontend == fe).map(|d| {
+            let mut v: Vec<String> = d.backends.iter().map(|b| b.to_string()).collect();
+            v.sort();
+            v
+        }).unwrap_or_default()
+    }
+
+    #[test]
+    fn nothing_is_programmed_before_the_first_sync() {
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
+        assert_eq!(p.flush().services, 0);
+        p.handle(SourceEvent::Synced);
+        assert_eq!(p.flush().services, 1);
+        assert_eq!(p.lb().frontend_count(), 1);
+    }
+
+    #[test]
+    fn slice_change_touches_only_its_service() {
+        let mut p = pipeline();
+        for i in 0..10 {
+            p.handle(SourceEvent::ServiceApplied(Box::new(web(&format!("10.96.0.{i}"), &format!("s{i}")))));
+            p.handle(SourceEvent::SliceApplied(Box::new(eps(&format!("s{i}"), &format!("s{i}-x"), &["10.0.0.1", "10.0.0.2"]))));
+        }
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        p.handle(SourceEvent::SliceApplied(Box::new(eps("s3", "s3-x", &["10.0.0.1", "10.0.0.2", "10.0.0.9"]))));
+        let r = p.flush();
+        assert_eq!(r.services, 1);
+        assert!(r.writes.total() <= 3, "{:?}", r.writes);
+        assert_eq!(backends(&p, "10.96.0.3:80"), ["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.9:8080"]);
+    }
+
+    #[test]
+    fn conflicting_frontend_goes_to_the_first_and_moves_when_released() {
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1"]))));
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "b"))));
+        p.handle(SourceEvent::SliceApplied(Box::new(eps("b", "b-x", &["10.0.0.2"]))));
+        p.handle(SourceEvent::Synced);
+        let r = p.flush();
+        assert!(r.problems.iter().any(|pr| pr.service == "d/b" && pr.message.contains("already used by service d/a")));
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080"]);
+        p.handle(SourceEvent::ServiceDeleted(Box::new(web("10.96.0.1", "a"))));
+        p.flush();
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.2:8080"]);
+    }
+
+    #[test]
+    fn resync_drops_objects_that_vanished() {
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        p.handle(SourceEvent::Resync);
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        assert_eq!(p.lb().frontend_count(), 1);
+        assert!(p.lb().contains(&"10.96.0.2:80".parse().unwrap()));
+    }
+
+    #[test]
+    fn restart_adopts_and_prunes_only_what_is_gone() {
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1"]))));
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        let maps = std::mem::take(&mut p.maps);
+        let lb = LbState::adopt(&maps.dump());
+        let mut p2 = Pipeline::new(MemMaps { check_invariant: true, ..maps }, lb, NodeInfo::default());
+        p2.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
+        p2.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1"]))));
+        p2.handle(SourceEvent::Synced);
+        let r = p2.flush();
+        // a unchanged: no writes for it; b gone: master + nothing else.
+        assert_eq!(r.writes.puts, 0, "{:?}", r.writes);
+        assert_eq!(p2.lb().frontend_count(), 1);
+        assert_eq!(backends(&p2, "10.96.0.1:80"), ["10.0.0.1:8080"]);
+    }
+
+    #[test]
+    fn full_map_is_reported_and_others_keep_working() {
+        let mut p = Pipeline::new(MemMaps { check_invariant: true, max_backends: Some(2), ..Default::default() }, LbState::new(), NodeInfo::default());
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1", "10.0.0.2"]))));
+        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::SliceApplied(Box::new(eps("b", "b-x", &["10.0.0.3"]))));
+        p.handle(SourceEvent::Synced);
+        let r = p.flush();
+        assert!(r.problems.iter().any(|pr| pr.message.contains("full")), "{:?}", r.problems);
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert_eq!(p.stats.map_errors, 1);
+    }
+}

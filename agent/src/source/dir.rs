@@ -1,0 +1,218 @@
+//! `--source dir:PATH`: Services and EndpointSlices from ordinary (multi-document) Kubernetes
+//! YAML manifests in a directory, followed as the files change.
+//!
+//! The directory is re-read when a file's size or mtime changes (checked every `interval`),
+//! and the difference to the previous read is sent as events. A file that fails to parse
+//! keeps contributing what it had last time, so a half-written file never deletes Services.
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde::Deserialize;
+
+use super::{EventTx, SourceEvent};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Object {
+    Service(Box<Service>),
+    Slice(Box<EndpointSlice>),
+}
+
+impl Object {
+    fn applied(&self) -> SourceEvent {
+        match self {
+            Object::Service(s) => SourceEvent::ServiceApplied(s.clone()),
+            Object::Slice(s) => SourceEvent::SliceApplied(s.clone()),
+        }
+    }
+    fn deleted(&self) -> SourceEvent {
+        match self {
+            Object::Service(s) => SourceEvent::ServiceDeleted(s.clone()),
+            Object::Slice(s) => SourceEvent::SliceDeleted(s.clone()),
+        }
+    }
+}
+
+/// (kind, namespace, name)
+pub type ObjKey = (&'static str, String, String);
+
+/// Parses one file's documents. Documents of other kinds are ignored; a document that is a
+/// Service or EndpointSlice but does not parse is an error naming the file and document.
+pub fn parse_manifests(text: &str, origin: &str) -> Result<Vec<(ObjKey, Object)>> {
+    let mut out = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let v = serde_yaml::Value::deserialize(doc).with_context(|| format!("{origin}: document {}: invalid YAML", i + 1))?;
+        if v.is_null() {
+            continue;
+        }
+        let kind = v.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+        let what = format!("{origin}: document {} ({kind})", i + 1);
+        let (kind, obj): (&'static str, Object) = match kind {
+            "Service" => ("Service", Object::Service(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
+            "EndpointSlice" => ("EndpointSlice", Object::Slice(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
+            _ => continue,
+        };
+        let meta = match &obj {
+            Object::Service(s) => &s.metadata,
+            Object::Slice(s) => &s.metadata,
+        };
+        let name = meta.name.clone().with_context(|| format!("{what}: metadata.name is missing"))?;
+        let ns = meta.namespace.clone().unwrap_or_else(|| "default".into());
+        out.push(((kind, ns, name), obj));
+    }
+    Ok(out)
+}
+
+type Signature = Vec<(PathBuf, u64, Option<SystemTime>)>;
+
+fn signature(dir: &Path) -> Result<Signature> {
+    let mut sig = Vec::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let e = e?;
+        let p = e.path();
+        let ext = p.extension().and_then(|x| x.to_str()).unwrap_or("");
+        if !matches!(ext, "yaml" | "yml" | "json") {
+            continue;
+        }
+        let md = e.metadata()?;
+        if md.is_file() {
+            sig.push((p, md.len(), md.modified().ok()));
+        }
+    }
+    sig.sort();
+    Ok(sig)
+}
+
+/// The directory's state between reads.
+#[derive(Default)]
+pub struct DirState {
+    per_file: HashMap<PathBuf, Vec<(ObjKey, Object)>>,
+    current: BTreeMap<ObjKey, Object>,
+}
+
+impl DirState {
+    /// Re-reads `files` and returns the events that turn the previous state into the new one.
+    pub fn reload(&mut self, files: &[PathBuf]) -> Vec<SourceEvent> {
+        let mut per_file = HashMap::new();
+        for f in files {
+            let parsed = std::fs::read_to_string(f)
+                .with_context(|| format!("reading {}", f.display()))
+                .and_then(|t| parse_manifests(&t, &f.display().to_string()));
+            match parsed {
+                Ok(objs) => {
+                    per_file.insert(f.clone(), objs);
+                }
+                Err(e) => {
+                    tracing::warn!("{e:#}; keeping what this file had before");
+                    if let Some(prev) = self.per_file.get(f) {
+                        per_file.insert(f.clone(), prev.clone());
+                    }
+                }
+            }
+        }
+        let mut next: BTreeMap<ObjKey, Object> = BTreeMap::new();
+        let mut names: Vec<&PathBuf> = per_file.keys().collect();
+        names.sort();
+        for f in names {
+            for (k, o) in &per_file[f] {
+                if next.insert(k.clone(), o.clone()).is_some() {
+                    tracing::warn!("{} {}/{} is defined more than once; the last definition ({}) wins", k.0, k.1, k.2, f.display());
+                }
+            }
+        }
+        let mut events = Vec::new();
+        for (k, o) in &self.current {
+            if !next.contains_key(k) {
+                events.push(o.deleted());
+            }
+        }
+        for (k, o) in &next {
+            if self.current.get(k) != Some(o) {
+                events.push(o.applied());
+            }
+        }
+        self.per_file = per_file;
+        self.current = next;
+        events
+    }
+}
+
+/// Runs until `tx` is closed.
+pub async fn run(dir: PathBuf, interval: Duration, tx: EventTx) -> Result<()> {
+    let mut state = DirState::default();
+    let mut last: Option<Signature> = None;
+    let mut first = true;
+    loop {
+        match signature(&dir) {
+            Ok(sig) if last.as_ref() != Some(&sig) => {
+                let files: Vec<PathBuf> = sig.iter().map(|(p, _, _)| p.clone()).collect();
+                for ev in state.reload(&files) {
+                    if tx.send(ev).await.is_err() {
+                        return Ok(());
+                    }
+                }
+                if first {
+                    first = false;
+                    if tx.send(SourceEvent::Synced).await.is_err() {
+                        return Ok(());
+                    }
+                }
+                last = Some(sig);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("{e:#}; keeping the last state"),
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: demo}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n";
+    const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: demo, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\n";
+
+    #[test]
+    fn multi_document_files_and_unrelated_kinds() {
+        let text = format!("{SVC}---\n{SLICE}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: x}}\n---\n");
+        let objs = parse_manifests(&text, "t").unwrap();
+        assert_eq!(objs.len(), 2);
+        assert_eq!(objs[0].0, ("Service", "demo".into(), "web".into()));
+        assert_eq!(objs[1].0, ("EndpointSlice", "demo".into(), "web-1".into()));
+    }
+
+    #[test]
+    fn malformed_documents_name_file_and_document() {
+        let bad = SVC.replace("ports: [{port: 80}]", "ports: [{port: eighty}]");
+        let e = parse_manifests(&format!("{SLICE}---\n{bad}"), "svc.yaml").unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(msg.contains("svc.yaml: document 2 (Service)"), "{msg}");
+    }
+
+    #[test]
+    fn reload_sends_only_differences_and_keeps_broken_files() {
+        let dir = std::env::temp_dir().join(format!("gardenet-dir-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("a.yaml");
+        std::fs::write(&f, format!("{SVC}---\n{SLICE}")).unwrap();
+        let mut st = DirState::default();
+        let ev = st.reload(&[f.clone()]);
+        assert_eq!(ev.len(), 2);
+        assert!(st.reload(&[f.clone()]).is_empty());
+        std::fs::write(&f, format!("{SVC}---\n{}", SLICE.replace("10.0.0.1", "10.0.0.2"))).unwrap();
+        let ev = st.reload(&[f.clone()]);
+        assert!(matches!(ev.as_slice(), [SourceEvent::SliceApplied(_)]));
+        std::fs::write(&f, "kind: Service\nmetadata: [broken").unwrap();
+        assert!(st.reload(&[f.clone()]).is_empty(), "a broken file keeps its objects");
+        std::fs::write(&f, SVC).unwrap();
+        let ev = st.reload(&[f.clone()]);
+        assert!(matches!(ev.as_slice(), [SourceEvent::SliceDeleted(_)]));
+        assert!(matches!(st.reload(&[]).as_slice(), [SourceEvent::ServiceDeleted(_)]));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

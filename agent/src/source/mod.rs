@@ -1,0 +1,27 @@
+//! Where Services and EndpointSlices come from. Every source turns its input into the same
+//! stream of [`SourceEvent`]s, so the rest of the agent does not know (or care) which one runs.
+use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+
+pub mod dir;
+pub mod kube;
+
+/// One change seen by a source.
+#[derive(Clone, Debug)]
+pub enum SourceEvent {
+    ServiceApplied(Box<Service>),
+    ServiceDeleted(Box<Service>),
+    SliceApplied(Box<EndpointSlice>),
+    SliceDeleted(Box<EndpointSlice>),
+    /// This agent's own Node (addresses, zone).
+    NodeApplied(Box<Node>),
+    /// Everything the source had at start (or after a relist) has been sent: the agent may
+    /// now program the dataplane and report ready. Objects not re-sent since the last
+    /// `Resync` started are gone.
+    Synced,
+    /// A full relist begins (e.g. after `410 Gone`); followed by the objects and `Synced`.
+    Resync,
+}
+
+/// Sources hand events to the pipeline through this channel.
+pub type EventTx = tokio::sync::mpsc::Sender<SourceEvent>;
+pub type EventRx = tokio::sync::mpsc::Receiver<SourceEvent>;

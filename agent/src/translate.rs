@@ -1,0 +1,352 @@
+//! Service + EndpointSlices (+ this node) -> frontends and their backends, the way kube-proxy
+//! reads them. Pure: no I/O, unit-tested.
+use std::{collections::BTreeSet, net::Ipv4Addr};
+
+use k8s_openapi::api::{
+    core::v1::{Service, ServicePort},
+    discovery::v1::EndpointSlice,
+};
+
+use crate::model::{Backend, Frontend, FrontendSpec, Proto};
+
+/// Label that hands a Service to a specific proxy; gardenet only takes unlabelled ones
+/// (or the ones labelled with its own name).
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+pub const PROXY_NAME: &str = "gardenet";
+/// Label linking an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// Default ClientIP affinity timeout (kube-proxy's: 3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
+
+/// What translation needs to know about this node.
+#[derive(Clone, Debug, Default)]
+pub struct NodeInfo {
+    pub name: String,
+    /// IPv4 addresses NodePorts are served on.
+    pub addresses: Vec<Ipv4Addr>,
+    pub zone: Option<String>,
+}
+
+/// Why a Service (or part of it) was not programmed. Logged and counted; the rest of the
+/// Service and every other Service still get programmed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub service: String,
+    pub message: String,
+}
+
+/// Result of translating one Service.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Translated {
+    pub frontends: Vec<(Frontend, FrontendSpec)>,
+    pub problems: Vec<Problem>,
+    /// Deliberately not ours (headless, ExternalName, another proxy's).
+    pub skipped: Option<String>,
+}
+
+pub fn service_key(svc: &Service) -> String {
+    format!("{}/{}", svc.metadata.namespace.as_deref().unwrap_or("default"), svc.metadata.name.as_deref().unwrap_or(""))
+}
+
+/// The Service key an EndpointSlice belongs to, if it is labelled.
+pub fn slice_service_key(slice: &EndpointSlice) -> Option<String> {
+    let name = slice.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?;
+    Some(format!("{}/{}", slice.metadata.namespace.as_deref().unwrap_or("default"), name))
+}
+
+pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> Translated {
+    let key = service_key(svc);
+    let mut out = Translated::default();
+    let problem = |out: &mut Translated, m: String| out.problems.push(Problem { service: key.clone(), message: m });
+
+    if let Some(p) = svc.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)) {
+        if p != PROXY_NAME {
+            out.skipped = Some(format!("service-proxy-name is {p:?}"));
+            return out;
+        }
+    }
+    let Some(spec) = &svc.spec else {
+        problem(&mut out, "no spec".into());
+        return out;
+    };
+    if spec.type_.as_deref() == Some("ExternalName") {
+        out.skipped = Some("ExternalName".into());
+        return out;
+    }
+    let cluster_ips: Vec<&str> = match (&spec.cluster_ips, &spec.cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+        (_, Some(ip)) => vec![ip.as_str()],
+        _ => vec![],
+    };
+    if cluster_ips.iter().any(|ip| *ip == "None") {
+        out.skipped = Some("headless".into());
+        return out;
+    }
+
+    let mut vips: Vec<Ipv4Addr> = Vec::new();
+    for ip in &cluster_ips {
+        match ip.parse::<std::net::IpAddr>() {
+            Ok(std::net::IpAddr::V4(a)) => vips.push(a),
+            Ok(std::net::IpAddr::V6(_)) => problem(&mut out, format!("clusterIP {ip}: IPv6 is not supported by this dataplane yet")),
+            Err(_) => problem(&mut out, format!("clusterIP {ip:?} is not an IP address")),
+        }
+    }
+    let mut external: Vec<Ipv4Addr> = Vec::new();
+    for ip in spec.external_ips.iter().flatten() {
+        match ip.parse::<Ipv4Addr>() {
+            Ok(a) => external.push(a),
+            Err(_) => problem(&mut out, format!("externalIP {ip:?} is not an IPv4 address")),
+        }
+    }
+    let lb_ips = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+    for ing in lb_ips.into_iter().flatten() {
+        if let Some(ip) = &ing.ip {
+            match ip.parse::<Ipv4Addr>() {
+                Ok(a) => external.push(a),
+                Err(_) => problem(&mut out, format!("loadBalancer ingress {ip:?} is not an IPv4 address")),
+            }
+        }
+    }
+
+    let affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
+        spec.session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .map(|t| t.clamp(1, 86_400) as u32)
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
+    } else {
+        0
+    };
+    let node_ports = matches!(spec.type_.as_deref(), Some("NodePort") | Some("LoadBalancer"));
+
+    let mut seen: BTreeSet<Frontend> = BTreeSet::new();
+    for sp in spec.ports.iter().flatten() {
+        let proto = match sp.protocol.as_deref().unwrap_or("TCP") {
+            "TCP" => Proto::Tcp,
+            "UDP" => Proto::Udp,
+            other => {
+                problem(&mut out, format!("port {}: protocol {other} is not supported (skipped)", port_label(sp)));
+                continue;
+            }
+        };
+        let Some(port) = valid_port(sp.port) else {
+            problem(&mut out, format!("port {}: {} is out of range 1-65535", port_label(sp), sp.port));
+            continue;
+        };
+        let backends = endpoints_for(sp, proto, slices, &mut out, &key);
+        let fs = FrontendSpec { backends, affinity_timeout };
+        let mut add = |out: &mut Translated, fe: Frontend| {
+            if seen.insert(fe) {
+                out.frontends.push((fe, fs.clone()));
+            } else {
+                out.problems.push(Problem { service: key.clone(), message: format!("frontend {fe} listed twice") });
+            }
+        };
+        for vip in vips.iter().chain(external.iter()) {
+            add(&mut out, Frontend { addr: *vip, port, proto });
+        }
+        if node_ports {
+            match sp.node_port.map(|p| (p, valid_port(p))) {
+                Some((_, Some(np))) => {
+                    for a in &node.addresses {
+                        add(&mut out, Frontend { addr: *a, port: np, proto });
+                    }
+                }
+                Some((p, None)) => problem(&mut out, format!("port {}: nodePort {p} is out of range", port_label(sp))),
+                None => {} // not allocated yet
+            }
+        }
+    }
+    out
+}
+
+fn valid_port(p: i32) -> Option<u16> {
+    u16::try_from(p).ok().filter(|p| *p != 0)
+}
+
+fn port_label(sp: &ServicePort) -> String {
+    sp.name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| sp.port.to_string())
+}
+
+/// Backends for one Service port: ready endpoints of all slices, merged and deduplicated;
+/// when none is ready, the serving ones (terminating included), as kube-proxy does.
+fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out: &mut Translated, key: &str) -> Vec<Backend> {
+    let want_name = sp.name.as_deref().unwrap_or("");
+    let proto_s = match proto {
+        Proto::Tcp => "TCP",
+        Proto::Udp => "UDP",
+    };
+    let mut ready = BTreeSet::new();
+    let mut serving = BTreeSet::new();
+    for slice in slices {
+        if slice.address_type != "IPv4" {
+            continue;
+        }
+        // EndpointSlice ports are matched to Service ports by name (named targetPorts are
+        // resolved by the EndpointSlice controller into the number here).
+        let Some(port) = slice.ports.iter().flatten().find(|p| {
+            p.name.as_deref().unwrap_or("") == want_name && p.protocol.as_deref().unwrap_or("TCP") == proto_s
+        }) else {
+            continue;
+        };
+        let Some(pn) = port.port.and_then(valid_port) else {
+            out.problems.push(Problem { service: key.into(), message: format!("EndpointSlice {} port {want_name:?} has no valid number", slice.metadata.name.as_deref().unwrap_or("")) });
+            continue;
+        };
+        for ep in slice.endpoints.iter().flatten() {
+            let c = ep.conditions.as_ref();
+            // nil ready means ready; nil serving means "same as ready".
+            let is_ready = c.and_then(|c| c.ready).unwrap_or(true);
+            let is_serving = c.and_then(|c| c.serving).unwrap_or(is_ready);
+            for a in &ep.addresses {
+                let Ok(addr) = a.parse::<Ipv4Addr>() else {
+                    out.problems.push(Problem { service: key.into(), message: format!("endpoint address {a:?} is not IPv4") });
+                    continue;
+                };
+                let b = Backend { addr, port: pn };
+                if is_ready {
+                    ready.insert(b);
+                } else if is_serving {
+                    serving.insert(b);
+                }
+            }
+        }
+    }
+    if ready.is_empty() { serving.into_iter().collect() } else { ready.into_iter().collect() }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub fn svc(yaml: &str) -> Service {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+    pub fn slice(yaml: &str) -> EndpointSlice {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    const SVC: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - {name: http, port: 80, targetPort: web, protocol: TCP}
+  - {name: dns, port: 53, protocol: UDP}
+"#;
+    const SLICE: &str = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-abc, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: dns, port: 5353, protocol: UDP}
+endpoints:
+- addresses: [10.0.0.1]
+  conditions: {ready: true}
+- addresses: [10.0.0.2]
+- addresses: [10.0.0.3]
+  conditions: {ready: false, serving: true, terminating: true}
+"#;
+
+    fn node() -> NodeInfo {
+        NodeInfo { name: "n1".into(), addresses: vec!["192.0.2.10".parse().unwrap()], zone: None }
+    }
+
+    fn fe(s: &str) -> Frontend {
+        s.parse().unwrap()
+    }
+    fn bes(v: &[&str]) -> Vec<Backend> {
+        v.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn cluster_ip_with_named_ports_and_two_protocols() {
+        let t = translate(&svc(SVC), &[&slice(SLICE)], &node());
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
+        assert_eq!(t.frontends.len(), 2);
+        assert_eq!(t.frontends[0].0, fe("10.96.0.10:80/tcp"));
+        assert_eq!(t.frontends[0].1.backends, bes(&["10.0.0.1:8080", "10.0.0.2:8080"]));
+        assert_eq!(t.frontends[1].0, fe("10.96.0.10:53/udp"));
+        assert_eq!(t.frontends[1].1.backends, bes(&["10.0.0.1:5353", "10.0.0.2:5353"]));
+    }
+
+    #[test]
+    fn serving_terminating_used_only_when_nothing_is_ready() {
+        let s = SLICE.replace("conditions: {ready: true}", "conditions: {ready: false, serving: false}").replace("- addresses: [10.0.0.2]\n", "");
+        let t = translate(&svc(SVC), &[&slice(&s)], &node());
+        assert_eq!(t.frontends[0].1.backends, bes(&["10.0.0.3:8080"]));
+    }
+
+    #[test]
+    fn slices_are_merged_and_deduplicated() {
+        let a = slice(SLICE);
+        let b = slice(&SLICE.replace("web-abc", "web-def").replace("10.0.0.3", "10.0.0.4").replace("conditions: {ready: false, serving: true, terminating: true}", "conditions: {ready: true}"));
+        let t = translate(&svc(SVC), &[&a, &b], &node());
+        assert_eq!(t.frontends[0].1.backends, bes(&["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.4:8080"]));
+    }
+
+    #[test]
+    fn no_endpoints_gives_a_frontend_without_backends() {
+        let t = translate(&svc(SVC), &[], &node());
+        assert_eq!(t.frontends.len(), 2);
+        assert!(t.frontends.iter().all(|(_, s)| s.backends.is_empty()));
+    }
+
+    #[test]
+    fn headless_external_name_and_other_proxies_are_skipped() {
+        let h = translate(&svc(&SVC.replace("clusterIP: 10.96.0.10", "clusterIP: None")), &[], &node());
+        assert_eq!(h.skipped.as_deref(), Some("headless"));
+        let e = translate(&svc(&SVC.replace("clusterIP: 10.96.0.10", "type: ExternalName\n  externalName: example.org")), &[], &node());
+        assert_eq!(e.skipped.as_deref(), Some("ExternalName"));
+        let o = translate(&svc(&SVC.replace("namespace: demo}", "namespace: demo, labels: {service.kubernetes.io/service-proxy-name: other}}")), &[], &node());
+        assert!(o.skipped.is_some() && o.frontends.is_empty());
+        let mine = translate(&svc(&SVC.replace("namespace: demo}", "namespace: demo, labels: {service.kubernetes.io/service-proxy-name: gardenet}}")), &[], &node());
+        assert!(mine.skipped.is_none());
+    }
+
+    #[test]
+    fn bad_input_is_reported_and_the_rest_still_programmed() {
+        let s = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  externalIPs: [nonsense]")
+            .replace("- {name: dns, port: 53, protocol: UDP}", "- {name: dns, port: 53, protocol: UDP}\n  - {name: big, port: 70000}\n  - {name: s, port: 9, protocol: SCTP}");
+        let t = translate(&svc(&s), &[&slice(SLICE)], &node());
+        assert_eq!(t.frontends.len(), 2);
+        let msgs: Vec<_> = t.problems.iter().map(|p| p.message.as_str()).collect();
+        assert!(msgs.iter().any(|m| m.contains("nonsense")), "{msgs:?}");
+        assert!(msgs.iter().any(|m| m.contains("70000")), "{msgs:?}");
+        assert!(msgs.iter().any(|m| m.contains("SCTP")), "{msgs:?}");
+    }
+
+    #[test]
+    fn node_port_external_ips_and_lb_ingress() {
+        let s = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  externalIPs: [198.51.100.7]
+  ports: [{name: http, port: 80, nodePort: 30080}]
+status:
+  loadBalancer: {ingress: [{ip: 203.0.113.5}]}
+"#;
+        let t = translate(&svc(s), &[&slice(SLICE)], &node());
+        let fes: Vec<String> = t.frontends.iter().map(|(f, _)| f.to_string()).collect();
+        assert_eq!(fes, ["10.96.0.10:80/tcp", "198.51.100.7:80/tcp", "203.0.113.5:80/tcp", "192.0.2.10:30080/tcp"]);
+    }
+
+    #[test]
+    fn client_ip_affinity_timeout() {
+        let s = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}");
+        let t = translate(&svc(&s), &[], &node());
+        assert!(t.frontends.iter().all(|(_, f)| f.affinity_timeout == 60));
+        let d = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  sessionAffinity: ClientIP");
+        assert!(translate(&svc(&d), &[], &node()).frontends.iter().all(|(_, f)| f.affinity_timeout == DEFAULT_AFFINITY_TIMEOUT));
+    }
+}

@@ -1,0 +1,192 @@
+//! Map layouts shared by the eBPF programs and the agent.
+//!
+//! Every type is `#[repr(C)]`, has no padding holes (checked at compile time below) and stores
+//! addresses and ports in **network byte order**, exactly as they appear in packets and in
+//! `bpf_sock_addr`, so the datapath never converts.
+//!
+//! Service table layout (borrowed from Cilium's `lb4_services_v2`): one frontend is a set of
+//! entries that share `addr/port/proto/scope`. Slot 0 is the *master* entry and carries the
+//! backend count; slots `1..=count` each name one backend id. Userspace writes backends, then
+//! slots, then the master, so a reader that sees a count always finds every slot it may pick.
+#![no_std]
+
+/// Map names (the kernel keeps at most 15 characters).
+pub const MAP_SERVICES: &str = "GN_SVC4";
+pub const MAP_BACKENDS: &str = "GN_BE4";
+pub const MAP_SOCK_REVNAT: &str = "GN_SK_RNAT4";
+pub const MAP_CT: &str = "GN_CT4";
+pub const MAP_STATS: &str = "GN_STATS";
+
+/// Default map sizes; the agent can override them at load time.
+pub const DEFAULT_SERVICES_MAX: u32 = 262_144;
+pub const DEFAULT_BACKENDS_MAX: u32 = 131_072;
+pub const DEFAULT_SOCK_REVNAT_MAX: u32 = 262_144;
+pub const DEFAULT_CT_MAX: u32 = 262_144;
+
+/// Program names as they appear in the object file.
+pub const PROG_CONNECT4: &str = "gn_connect4";
+pub const PROG_SENDMSG4: &str = "gn_sendmsg4";
+pub const PROG_RECVMSG4: &str = "gn_recvmsg4";
+pub const PROG_GETPEERNAME4: &str = "gn_getpeername4";
+pub const PROG_TC_INGRESS: &str = "gn_tc_ingress";
+pub const PROG_TC_EGRESS: &str = "gn_tc_egress";
+
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+
+/// Frontend scope: traffic from anywhere.
+pub const SCOPE_ALL: u8 = 0;
+
+/// Master-entry flags.
+pub const SVC_FLAG_NONE: u16 = 0;
+
+/// Conntrack direction.
+pub const CT_DIR_FORWARD: u8 = 0;
+pub const CT_DIR_REPLY: u8 = 1;
+
+/// Indexes into the per-CPU `GN_STATS` array.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stat {
+    SockTranslated = 0,
+    SockNoBackend = 1,
+    SockRevNat = 2,
+    TcDnat = 3,
+    TcRevNat = 4,
+    TcNoBackendReset = 5,
+    TcNoBackendDrop = 6,
+    TcCtCreated = 7,
+    TcMissingBackend = 8,
+}
+pub const STATS_LEN: u32 = 9;
+pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
+    "sock_translated",
+    "sock_no_backend",
+    "sock_revnat",
+    "tc_dnat",
+    "tc_revnat",
+    "tc_no_backend_reset",
+    "tc_no_backend_drop",
+    "tc_ct_created",
+    "tc_missing_backend",
+];
+
+/// Key of `GN_SVC4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey4 {
+    /// Frontend IPv4 address, network byte order.
+    pub addr: u32,
+    /// Frontend port, network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub scope: u8,
+    /// 0 = master entry, 1..=count = backend slots.
+    pub slot: u16,
+    pub _pad: u16,
+}
+
+/// Value of `GN_SVC4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceValue4 {
+    /// Backend id (backend slots only).
+    pub backend_id: u32,
+    /// Number of backend slots (master only). Zero means "reject".
+    pub count: u16,
+    /// `SVC_FLAG_*` (master only).
+    pub flags: u16,
+    /// Session-affinity timeout in seconds (master only, 0 = none).
+    pub affinity_timeout: u32,
+}
+
+/// Value of `GN_BE4`, keyed by backend id (`u32`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Backend4 {
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// Key of `GN_SK_RNAT4`: what a socket was translated to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey4 {
+    pub cookie: u64,
+    /// Backend address and port the socket talks to (network byte order).
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Value of `GN_SK_RNAT4`: the frontend the application asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNatValue4 {
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Key of `GN_CT4` (LRU). Forward entries are keyed by the packet as the client sent it,
+/// reply entries by the packet as the backend sends it back.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKey4 {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: u16,
+}
+
+/// Value of `GN_CT4`. Forward: the backend to DNAT to. Reply: the frontend to SNAT back to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtValue4 {
+    pub addr: u32,
+    pub port: u16,
+    pub flags: u16,
+    /// `bpf_ktime_get_ns()` of the last packet that used the entry.
+    pub last_seen_ns: u64,
+}
+
+// No padding holes: the kernel compares keys bytewise, so an uninitialised hole would make
+// equal keys miss each other.
+const _: () = {
+    assert!(core::mem::size_of::<ServiceKey4>() == 12);
+    assert!(core::mem::size_of::<ServiceValue4>() == 12);
+    assert!(core::mem::size_of::<Backend4>() == 8);
+    assert!(core::mem::size_of::<SockRevNatKey4>() == 16);
+    assert!(core::mem::size_of::<SockRevNatValue4>() == 8);
+    assert!(core::mem::size_of::<CtKey4>() == 16);
+    assert!(core::mem::size_of::<CtValue4>() == 16);
+};
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: plain old data, repr(C), no padding, every bit pattern valid.
+    unsafe impl aya::Pod for ServiceKey4 {}
+    unsafe impl aya::Pod for ServiceValue4 {}
+    unsafe impl aya::Pod for Backend4 {}
+    unsafe impl aya::Pod for SockRevNatKey4 {}
+    unsafe impl aya::Pod for SockRevNatValue4 {}
+    unsafe impl aya::Pod for CtKey4 {}
+    unsafe impl aya::Pod for CtValue4 {}
+}
+
+impl ServiceKey4 {
+    /// Key of a frontend's master entry (addr/port already in network byte order).
+    pub const fn master(addr: u32, port: u16, proto: u8) -> Self {
+        ServiceKey4 { addr, port, proto, scope: SCOPE_ALL, slot: 0, _pad: 0 }
+    }
+
+    pub const fn with_slot(self, slot: u16) -> Self {
+        ServiceKey4 { slot, ..self }
+    }
+}

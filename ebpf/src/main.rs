@@ -1,0 +1,64 @@
+//! gardenet datapath: socket LB (cgroup sock_addr hooks) and interface LB (TC).
+//!
+//! All addresses and ports are kept in network byte order end to end (see `gardenet-common`).
+#![no_std]
+#![no_main]
+
+mod sock;
+mod tc;
+
+use aya_ebpf::{
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuArray},
+};
+use gardenet_common::*;
+
+#[map]
+static GN_SVC4: HashMap<ServiceKey4, ServiceValue4> =
+    HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
+
+#[map]
+static GN_BE4: HashMap<u32, Backend4> = HashMap::pinned(DEFAULT_BACKENDS_MAX, 0);
+
+#[map]
+static GN_SK_RNAT4: LruHashMap<SockRevNatKey4, SockRevNatValue4> =
+    LruHashMap::pinned(DEFAULT_SOCK_REVNAT_MAX, 0);
+
+#[map]
+static GN_CT4: LruHashMap<CtKey4, CtValue4> = LruHashMap::pinned(DEFAULT_CT_MAX, 0);
+
+#[map]
+static GN_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_LEN, 0);
+
+#[inline(always)]
+fn stat(s: Stat) {
+    if let Some(p) = GN_STATS.get_ptr_mut(s as u32) {
+        // Per-CPU slot: no other writer, a plain increment is enough.
+        unsafe { *p += 1 };
+    }
+}
+
+/// Picks a backend of the frontend whose master entry is `master`, uniformly at random.
+/// `None` when the frontend has no backends (the caller rejects) or the table is being
+/// rewritten under us and a slot is missing (should not happen: slots are written first).
+#[inline(always)]
+fn select_backend(key: &ServiceKey4, master: &ServiceValue4) -> Option<(u32, Backend4)> {
+    let count = master.count as u32;
+    if count == 0 {
+        return None;
+    }
+    let slot = (unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() } % count) as u16 + 1;
+    let sv = unsafe { GN_SVC4.get(&key.with_slot(slot)) }?;
+    let be = unsafe { GN_BE4.get(&sv.backend_id) }?;
+    Some((sv.backend_id, *be))
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,273 @@
+//! Interface LB on TC: DNAT of packets addressed to a frontend, connection tracking so every
+//! packet of a flow keeps its backend, and reverse NAT of the replies. This serves the traffic
+//! socket LB cannot see (NodePort from other nodes, clients outside our cgroup).
+
+use aya_ebpf::{
+    bindings::TC_ACT_SHOT,
+    helpers::{bpf_ktime_get_ns, generated::bpf_redirect},
+    macros::classifier,
+    programs::TcContext,
+};
+use gardenet_common::*;
+
+use crate::{select_backend, stat, GN_CT4, GN_SVC4};
+
+/// "Not ours, carry on": lets later tcx programs / tc filters run (TCX_NEXT / TC_ACT_UNSPEC).
+const PASS: i32 = -1;
+const DROP: i32 = TC_ACT_SHOT as i32;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+const IP_SRC_OFF: usize = ETH_HLEN + 12;
+const IP_DST_OFF: usize = ETH_HLEN + 16;
+
+const TCP_FLAG_RST: u8 = 0x04;
+const TCP_FLAG_SYN: u8 = 0x02;
+const TCP_FLAG_ACK: u8 = 0x10;
+
+const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
+
+struct Flow {
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    /// Offset of the L4 header.
+    l4: usize,
+    tcp_flags: u8,
+}
+
+impl Flow {
+    #[inline(always)]
+    fn csum_off(&self) -> usize {
+        self.l4 + if self.proto == PROTO_TCP { 16 } else { 6 }
+    }
+
+    /// UDP may carry checksum 0 ("none"): keep it that way.
+    #[inline(always)]
+    fn csum_flags(&self) -> u64 {
+        if self.proto == PROTO_UDP { BPF_F_MARK_MANGLED_0 } else { 0 }
+    }
+
+    #[inline(always)]
+    fn ct_key(&self, dir: u8) -> CtKey4 {
+        CtKey4 {
+            saddr: self.saddr,
+            daddr: self.daddr,
+            sport: self.sport,
+            dport: self.dport,
+            proto: self.proto,
+            dir,
+            _pad: 0,
+        }
+    }
+}
+
+#[classifier]
+pub fn gn_tc_ingress(ctx: TcContext) -> i32 {
+    match parse(&ctx) {
+        Some(flow) => ingress(&ctx, &flow).unwrap_or(PASS),
+        None => PASS,
+    }
+}
+
+#[classifier]
+pub fn gn_tc_egress(ctx: TcContext) -> i32 {
+    match parse(&ctx) {
+        Some(flow) => rev_nat(&ctx, &flow).unwrap_or(PASS),
+        None => PASS,
+    }
+}
+
+#[inline(always)]
+fn parse(ctx: &TcContext) -> Option<Flow> {
+    let eth_proto = u16::from_be(ctx.load::<u16>(12).ok()?);
+    if eth_proto != ETH_P_IP {
+        return None;
+    }
+    let vhl: u8 = ctx.load(ETH_HLEN).ok()?;
+    let ihl = ((vhl & 0x0f) as usize) * 4;
+    if vhl >> 4 != 4 || ihl < 20 {
+        return None;
+    }
+    // Fragments: only the first carries ports; leave all of them to the stack.
+    let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+    if frag & 0x3fff != 0 {
+        return None;
+    }
+    let proto: u8 = ctx.load(ETH_HLEN + 9).ok()?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    let l4 = ETH_HLEN + (ihl & 0x3c);
+    let tcp_flags = if proto == PROTO_TCP { ctx.load::<u8>(l4 + 13).ok()? } else { 0 };
+    Some(Flow {
+        saddr: ctx.load(IP_SRC_OFF).ok()?,
+        daddr: ctx.load(IP_DST_OFF).ok()?,
+        sport: ctx.load(l4).ok()?,
+        dport: ctx.load(l4 + 2).ok()?,
+        proto,
+        l4,
+        tcp_flags,
+    })
+}
+
+#[inline(always)]
+fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
+    // A reply of a flow we DNATed earlier that re-enters the node here.
+    if let Some(v) = rev_nat(ctx, f) {
+        return Some(v);
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    let fresh_syn = f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN;
+    let fkey = f.ct_key(CT_DIR_FORWARD);
+    // Established flows keep their backend even if the service changed meanwhile; a new SYN
+    // (also one reusing an old 4-tuple) always selects afresh from the current backends.
+    if !fresh_syn {
+        if let Some(ct) = GN_CT4.get_ptr_mut(&fkey) {
+            let ct = unsafe { &mut *ct };
+            ct.last_seen_ns = now;
+            let (addr, port) = (ct.addr, ct.port);
+            dnat(ctx, f, addr, port)?;
+            stat(Stat::TcDnat);
+            return Some(PASS);
+        }
+    }
+    let skey = ServiceKey4::master(f.daddr, f.dport, f.proto);
+    let master = unsafe { GN_SVC4.get(&skey) }?;
+    let Some((_, be)) = select_backend(&skey, master) else {
+        if master.count == 0 {
+            return Some(reject(ctx, f));
+        }
+        stat(Stat::TcMissingBackend);
+        return None;
+    };
+    // Reply first: once the backend can answer, the answer must be translated.
+    let rkey = CtKey4 {
+        saddr: be.addr,
+        daddr: f.saddr,
+        sport: be.port,
+        dport: f.sport,
+        proto: f.proto,
+        dir: CT_DIR_REPLY,
+        _pad: 0,
+    };
+    let rval = CtValue4 { addr: f.daddr, port: f.dport, flags: 0, last_seen_ns: now };
+    GN_CT4.insert(&rkey, &rval, 0).ok()?;
+    let fval = CtValue4 { addr: be.addr, port: be.port, flags: 0, last_seen_ns: now };
+    GN_CT4.insert(&fkey, &fval, 0).ok()?;
+    stat(Stat::TcCtCreated);
+    dnat(ctx, f, be.addr, be.port)?;
+    stat(Stat::TcDnat);
+    Some(PASS)
+}
+
+/// Source NAT of a backend's reply back to the frontend the client used.
+#[inline(always)]
+fn rev_nat(ctx: &TcContext, f: &Flow) -> Option<i32> {
+    let ct = GN_CT4.get_ptr_mut(&f.ct_key(CT_DIR_REPLY))?;
+    let ct = unsafe { &mut *ct };
+    ct.last_seen_ns = unsafe { bpf_ktime_get_ns() };
+    let (addr, port) = (ct.addr, ct.port);
+    let csum = f.csum_off();
+    let fl = f.csum_flags();
+    ctx.l4_csum_replace(csum, f.saddr as u64, addr as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+    ctx.l4_csum_replace(csum, f.sport as u64, port as u64, 2 | fl).ok()?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, f.saddr as u64, addr as u64, 4).ok()?;
+    ctx.store(IP_SRC_OFF, &addr, 0).ok()?;
+    ctx.store(f.l4, &port, 0).ok()?;
+    stat(Stat::TcRevNat);
+    Some(PASS)
+}
+
+#[inline(always)]
+fn dnat(ctx: &TcContext, f: &Flow, addr: u32, port: u16) -> Option<()> {
+    let csum = f.csum_off();
+    let fl = f.csum_flags();
+    ctx.l4_csum_replace(csum, f.daddr as u64, addr as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+    ctx.l4_csum_replace(csum, f.dport as u64, port as u64, 2 | fl).ok()?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, f.daddr as u64, addr as u64, 4).ok()?;
+    ctx.store(IP_DST_OFF, &addr, 0).ok()?;
+    ctx.store(f.l4 + 2, &port, 0).ok()?;
+    Some(())
+}
+
+/// A frontend with no backends: refuse at once instead of letting the client time out.
+/// TCP SYNs are turned into a RST+ACK in place and sent back out of the interface they came
+/// in on; everything else is dropped.
+#[inline(always)]
+fn reject(ctx: &TcContext, f: &Flow) -> i32 {
+    if f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
+        if syn_to_rst(ctx, f).is_some() {
+            stat(Stat::TcNoBackendReset);
+            let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+            return unsafe { bpf_redirect(ifindex, 0) } as i32;
+        }
+    }
+    stat(Stat::TcNoBackendDrop);
+    DROP
+}
+
+/// Rewrites a SYN into the RST+ACK a closed port would send. Every changed field goes through
+/// the csum helpers, which keeps both fully checksummed and CHECKSUM_PARTIAL skbs right.
+/// Swapping addresses or ports leaves the one's-complement sums unchanged.
+#[inline(always)]
+fn syn_to_rst(ctx: &TcContext, f: &Flow) -> Option<()> {
+    let l4 = f.l4;
+    let csum = f.csum_off();
+    let tot_len = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).ok()?) as usize;
+    let hdr_word: u16 = ctx.load(l4 + 12).ok()?;
+    let doff = ((ctx.load::<u8>(l4 + 12).ok()? >> 4) as usize) * 4;
+    // A SYN carrying data (TFO) would need trimming: not worth it, the caller drops it.
+    if doff < 20 || tot_len != (l4 - ETH_HLEN) + doff {
+        return None;
+    }
+    // Ethernet: back to the sender.
+    let dst_mac: [u8; 6] = ctx.load(0).ok()?;
+    let src_mac: [u8; 6] = ctx.load(6).ok()?;
+    ctx.store(0, &src_mac, 0).ok()?;
+    ctx.store(6, &dst_mac, 0).ok()?;
+    // IP and ports swapped.
+    ctx.store(IP_SRC_OFF, &f.daddr, 0).ok()?;
+    ctx.store(IP_DST_OFF, &f.saddr, 0).ok()?;
+    ctx.store(l4, &f.dport, 0).ok()?;
+    ctx.store(l4 + 2, &f.sport, 0).ok()?;
+    // seq = 0, ack = their seq + 1.
+    let seq: u32 = ctx.load(l4 + 4).ok()?;
+    let old_ack: u32 = ctx.load(l4 + 8).ok()?;
+    let ack = (u32::from_be(seq).wrapping_add(1)).to_be();
+    replace32(ctx, csum, l4 + 4, seq, 0)?;
+    replace32(ctx, csum, l4 + 8, old_ack, ack)?;
+    // Flags: RST|ACK, keep the data offset.
+    let new_word = (hdr_word & 0x00ff) | ((TCP_FLAG_RST | TCP_FLAG_ACK) as u16) << 8;
+    ctx.l4_csum_replace(csum, hdr_word as u64, new_word as u64, 2).ok()?;
+    ctx.store(l4 + 12, &new_word, 0).ok()?;
+    // Window and urgent pointer: zero.
+    let win: u16 = ctx.load(l4 + 14).ok()?;
+    ctx.l4_csum_replace(csum, win as u64, 0, 2).ok()?;
+    ctx.store(l4 + 14, &0u16, 0).ok()?;
+    let urg: u16 = ctx.load(l4 + 18).ok()?;
+    ctx.l4_csum_replace(csum, urg as u64, 0, 2).ok()?;
+    ctx.store(l4 + 18, &0u16, 0).ok()?;
+    // Options (MSS, SACK, timestamps, ...) become NOPs: same length, nothing to trim.
+    let nops = 0x0101_0101u32;
+    let mut off = 20;
+    for _ in 0..10 {
+        if off >= doff {
+            break;
+        }
+        let old: u32 = ctx.load(l4 + off).ok()?;
+        replace32(ctx, csum, l4 + off, old, nops)?;
+        off += 4;
+    }
+    Some(())
+}
+
+#[inline(always)]
+fn replace32(ctx: &TcContext, csum: usize, off: usize, old: u32, new: u32) -> Option<()> {
+    ctx.l4_csum_replace(csum, old as u64, new as u64, 4).ok()?;
+    ctx.store(off, &new, 0).ok()
+}
