@@ -110,13 +110,14 @@ impl Dataplane {
         &self.pin_dir
     }
 
-    /// Attaches the socket-LB hooks to a cgroup2 directory. Multi mode: other programs on the
-    /// cgroup keep running.
+    /// Attaches the socket-LB hooks to a cgroup2 directory. These are bpf_links, which never
+    /// displace other programs on the cgroup (the kernel rejects attach flags for links, so
+    /// the mode must be the zero-flag `Single`).
     pub fn attach_socket_lb(&mut self, cgroup: &Path) -> Result<()> {
         let f = fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
         for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4] {
             let p: &mut CgroupSockAddr = prog_mut(&mut self.ebpf, name)?;
-            p.attach(&f, CgroupAttachMode::AllowMultiple)
+            p.attach(&f, CgroupAttachMode::Single)
                 .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         }
         Ok(())

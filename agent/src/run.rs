@@ -122,7 +122,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             tokio::spawn(source::dir::run(d, Duration::from_millis(args.poll_ms), tx))
         }
-        SourceSpec::Kube => bail!("--source kube is not available in this build yet; use --source dir:PATH"),
+        SourceSpec::Kube => {
+            let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
+            tokio::spawn(source::kube::run(client, args.node_name.clone(), tx))
+        }
     };
 
     let mut ready = false;

@@ -1,0 +1,752 @@
+//! gardenet's provider config: `gardenet.networking.extensions.gardener.cloud/v1alpha1`,
+//! `kind: NetworkConfig`, found in a Network's `spec.providerConfig` or in a file (the
+//! DaemonSet mounts one from a ConfigMap).
+//!
+//! Parsing is strict: unknown fields, wrong types and invalid values are errors that name
+//! the field (`socketLB.enabled: invalid type: ...`). A typo in a networking config that is
+//! silently ignored shows up much later as a routing outage; failing at start is cheaper.
+//! Every block is optional and defaults as documented on the fields.
+//!
+//! ```yaml
+//! apiVersion: gardenet.networking.extensions.gardener.cloud/v1alpha1
+//! kind: NetworkConfig
+//! kubeProxyReplacement: {enabled: true}
+//! interfaces: {include: ["^eth", "^en[opsx]"], exclude: ["^enP"]}
+//! socketLB: {enabled: true, hostNamespaceOnly: false}
+//! xdp: {mode: "off"}
+//! sessionAffinity: {defaultTimeoutSeconds: 10800}
+//! mapSizes: {services: 262144, backends: 131072, sockRevNat: 262144, conntrack: 262144}
+//! ```
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+
+use super::network::Network;
+use super::{NETWORK_TYPE, PROVIDER_API_VERSION};
+
+/// `kind` of gardenet's provider config.
+pub const KIND: &str = "NetworkConfig";
+
+/// Largest accepted map size. BPF maps are preallocated kernel memory charged to the agent's
+/// cgroup; beyond 16Mi entries a value is far more likely a typo than a plan.
+pub const MAX_MAP_ENTRIES: u32 = 1 << 24;
+
+/// Upper bound of `sessionAffinity.defaultTimeoutSeconds`, the same as Kubernetes allows for
+/// `service.spec.sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const MAX_AFFINITY_TIMEOUT_SECONDS: u32 = 86_400;
+
+/// A config that could not be used; `field` is the dotted path of the offending field
+/// (empty when the document as a whole is wrong, e.g. not YAML).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "invalid NetworkConfig: {}", self.message)
+        } else {
+            write!(f, "invalid NetworkConfig: {}: {}", self.field, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    /// Prefixes the field path, e.g. with `spec.providerConfig` when the config came from a
+    /// Network, so the message points at the right place in the object the user edits.
+    fn within(mut self, parent: &str) -> Self {
+        self.field = if self.field.is_empty() {
+            parent.to_owned()
+        } else {
+            format!("{parent}.{}", self.field)
+        };
+        self
+    }
+
+    fn from_path<E: fmt::Display>(err: serde_path_to_error::Error<E>) -> Self {
+        let path = err.path().to_string();
+        // serde_path_to_error renders the root as ".".
+        let field = if path == "." { String::new() } else { path };
+        Self::new(field, err.into_inner().to_string())
+    }
+}
+
+/// gardenet's `NetworkConfig`. Construct with [`NetworkConfig::from_yaml_str`],
+/// [`NetworkConfig::from_network`] or [`Default`] (all defaults).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Must be [`PROVIDER_API_VERSION`].
+    pub api_version: String,
+    /// Must be [`KIND`].
+    pub kind: String,
+    /// Whether gardenet routes Services (see [`ServiceRouting`]).
+    #[serde(default)]
+    pub kube_proxy_replacement: KubeProxyReplacement,
+    /// Which interfaces get the TC (and XDP) programs.
+    #[serde(default)]
+    pub interfaces: Interfaces,
+    /// Socket-level load balancing (cgroup `connect`/`sendmsg` hooks).
+    #[serde(default, rename = "socketLB")]
+    pub socket_lb: SocketLb,
+    #[serde(default)]
+    pub xdp: Xdp,
+    #[serde(default)]
+    pub session_affinity: SessionAffinity,
+    #[serde(default)]
+    pub map_sizes: MapSizes,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        Self {
+            api_version: PROVIDER_API_VERSION.to_owned(),
+            kind: KIND.to_owned(),
+            kube_proxy_replacement: KubeProxyReplacement::default(),
+            interfaces: Interfaces::default(),
+            socket_lb: SocketLb::default(),
+            xdp: Xdp::default(),
+            session_affinity: SessionAffinity::default(),
+            map_sizes: MapSizes::default(),
+        }
+    }
+}
+
+/// `kubeProxyReplacement`: whether gardenet takes over Service routing.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubeProxyReplacement {
+    /// Unset (default): follow kube-proxy, i.e. route Services exactly when the shoot has
+    /// kube-proxy disabled (Gardener's contract). `true`: route Services even while
+    /// kube-proxy runs. `false`: never route Services (a configuration problem when
+    /// kube-proxy is disabled, because then nothing routes them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+}
+
+/// What gardenet does about Services, given the config and whether kube-proxy runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServiceRouting {
+    /// kube-proxy is disabled: gardenet must route Services (Gardener's contract).
+    Required,
+    /// kube-proxy runs, but the config asks gardenet to take over anyway.
+    Requested,
+    /// kube-proxy routes Services; gardenet stays out of the way.
+    Off,
+    /// kube-proxy is disabled and the config forbids gardenet to route: nothing routes
+    /// Services. Reported as a configuration problem.
+    Refused,
+}
+
+impl ServiceRouting {
+    /// Whether gardenet's dataplane should handle Services in this mode.
+    pub fn active(self) -> bool {
+        matches!(self, Self::Required | Self::Requested)
+    }
+}
+
+/// `interfaces`: regular expressions over interface names. An interface is selected when it
+/// matches any `include` pattern and no `exclude` pattern. Patterns are unanchored (use `^`/`$`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Interfaces {
+    /// Default: `^eth`, `^en[opsx]`, `^bond` (the usual physical/bonded uplinks).
+    #[serde(default = "default_include")]
+    pub include: Vec<Pattern>,
+    /// Default: `^enP`, Azure accelerated-networking VFs. They are enslaved to a synthetic
+    /// NIC that already carries the traffic; programs on the VF break the node's networking
+    /// (the problem Calico's docs describe for `bpfDataIfacePattern`).
+    #[serde(default = "default_exclude")]
+    pub exclude: Vec<Pattern>,
+}
+
+impl Default for Interfaces {
+    fn default() -> Self {
+        Self {
+            include: default_include(),
+            exclude: default_exclude(),
+        }
+    }
+}
+
+impl Interfaces {
+    /// Whether programs should be attached to interface `name`.
+    pub fn selects(&self, name: &str) -> bool {
+        self.include.iter().any(|p| p.is_match(name))
+            && !self.exclude.iter().any(|p| p.is_match(name))
+    }
+}
+
+fn default_include() -> Vec<Pattern> {
+    ["^eth", "^en[opsx]", "^bond"]
+        .into_iter()
+        .map(Pattern::builtin)
+        .collect()
+}
+
+fn default_exclude() -> Vec<Pattern> {
+    vec![Pattern::builtin("^enP")]
+}
+
+/// A compiled regular expression that (de)serializes as its source string; invalid
+/// expressions fail deserialization, so the error carries the field path.
+#[derive(Clone, Debug)]
+pub struct Pattern(regex::Regex);
+
+impl Pattern {
+    pub fn new(source: &str) -> Result<Self, regex::Error> {
+        regex::Regex::new(source).map(Self)
+    }
+
+    /// For the hard-coded defaults, which are known to compile.
+    fn builtin(source: &str) -> Self {
+        Self::new(source).unwrap_or_else(|e| unreachable!("built-in pattern {source:?}: {e}"))
+    }
+
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+
+    pub fn is_match(&self, haystack: &str) -> bool {
+        self.0.is_match(haystack)
+    }
+}
+
+impl PartialEq for Pattern {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Serialize for Pattern {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for Pattern {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let source = String::deserialize(d)?;
+        Pattern::new(&source)
+            .map_err(|e| de::Error::custom(format!("invalid regular expression {source:?}: {e}")))
+    }
+}
+
+/// `socketLB`: translate Service addresses at `connect()`/`sendmsg()` time (cgroup hooks),
+/// so pod-to-Service traffic never needs per-packet NAT.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SocketLb {
+    /// Default `true`. Needs cgroup v2.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Default `false`. When `true`, only sockets in the host network namespace are
+    /// translated; pods are served by the interface (TC) path instead. Needed with service
+    /// meshes (Istio, Linkerd) whose sidecars must see the original Service address, like
+    /// Cilium's `bpfSocketLBHostnsOnly`.
+    #[serde(default)]
+    pub host_namespace_only: bool,
+}
+
+impl Default for SocketLb {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            host_namespace_only: false,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `xdp`: whether NodePort/LoadBalancer traffic is also handled at XDP.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Xdp {
+    /// Default `off`.
+    #[serde(default)]
+    pub mode: XdpMode,
+}
+
+/// `xdp.mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum XdpMode {
+    /// No XDP program.
+    #[default]
+    Off,
+    /// Generic (skb) XDP: works on every driver, no speed-up; mostly for testing.
+    Generic,
+    /// Driver (native) XDP; attaching fails on drivers without support.
+    Native,
+    /// Native where the driver supports it, otherwise no XDP.
+    Auto,
+}
+
+impl<'de> Deserialize<'de> for XdpMode {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ModeVisitor;
+        impl Visitor<'_> for ModeVisitor {
+            type Value = XdpMode;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("one of \"off\", \"generic\", \"native\", \"auto\"")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<XdpMode, E> {
+                match v {
+                    "off" => Ok(XdpMode::Off),
+                    "generic" => Ok(XdpMode::Generic),
+                    "native" => Ok(XdpMode::Native),
+                    "auto" => Ok(XdpMode::Auto),
+                    _ => Err(E::unknown_variant(v, &["off", "generic", "native", "auto"])),
+                }
+            }
+            // kubectl parses YAML 1.1, where an unquoted `off` is the boolean false; a
+            // Network written as `mode: off` therefore reaches us as `false`.
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<XdpMode, E> {
+                if v {
+                    Err(E::invalid_value(de::Unexpected::Bool(true), &self))
+                } else {
+                    Ok(XdpMode::Off)
+                }
+            }
+        }
+        d.deserialize_any(ModeVisitor)
+    }
+}
+
+/// `sessionAffinity`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SessionAffinity {
+    /// Timeout for `sessionAffinity: ClientIP` Services that do not set one. Default 10800
+    /// (Kubernetes' own default), 1..=86400.
+    #[serde(default = "default_affinity_timeout")]
+    pub default_timeout_seconds: u32,
+}
+
+impl Default for SessionAffinity {
+    fn default() -> Self {
+        Self {
+            default_timeout_seconds: default_affinity_timeout(),
+        }
+    }
+}
+
+fn default_affinity_timeout() -> u32 {
+    10_800
+}
+
+/// `mapSizes`: `max_entries` of the BPF maps, 1..=[`MAX_MAP_ENTRIES`]. Defaults are the
+/// compiled-in sizes from `gardenet-common`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MapSizes {
+    /// Service map (frontends plus one slot per backend), default 262144.
+    #[serde(default = "default_services")]
+    pub services: u32,
+    /// Backend map, default 131072.
+    #[serde(default = "default_backends")]
+    pub backends: u32,
+    /// Socket reverse-NAT map (socket LB), default 262144.
+    #[serde(default = "default_sock_rev_nat")]
+    pub sock_rev_nat: u32,
+    /// Connection-tracking map (interface path), default 262144.
+    #[serde(default = "default_conntrack")]
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: default_services(),
+            backends: default_backends(),
+            sock_rev_nat: default_sock_rev_nat(),
+            conntrack: default_conntrack(),
+        }
+    }
+}
+
+fn default_services() -> u32 {
+    gardenet_common::DEFAULT_SERVICES_MAX
+}
+fn default_backends() -> u32 {
+    gardenet_common::DEFAULT_BACKENDS_MAX
+}
+fn default_sock_rev_nat() -> u32 {
+    gardenet_common::DEFAULT_SOCK_REVNAT_MAX
+}
+fn default_conntrack() -> u32 {
+    gardenet_common::DEFAULT_CT_MAX
+}
+
+impl NetworkConfig {
+    /// Parses and validates a NetworkConfig document (a file, or a ConfigMap value).
+    pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
+        if text.trim().is_empty() {
+            return Err(ConfigError::new(
+                "",
+                "empty document; expected a NetworkConfig",
+            ));
+        }
+        let de = serde_yaml::Deserializer::from_str(text);
+        let cfg: Self = serde_path_to_error::deserialize(de).map_err(ConfigError::from_path)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses and validates a NetworkConfig given as JSON (e.g. a `providerConfig` value).
+    pub fn from_json_value(value: &serde_json::Value) -> Result<Self, ConfigError> {
+        let cfg: Self = serde_path_to_error::deserialize(value).map_err(ConfigError::from_path)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The config of a Network of type `gardenet`: its `spec.providerConfig`, or all
+    /// defaults when it has none. Errors name fields as `spec.providerConfig.<field>`.
+    pub fn from_network(network: &Network) -> Result<Self, ConfigError> {
+        if network.spec.type_ != NETWORK_TYPE {
+            return Err(ConfigError::new(
+                "spec.type",
+                format!(
+                    "is {:?}, but gardenet handles {NETWORK_TYPE:?}",
+                    network.spec.type_
+                ),
+            ));
+        }
+        match &network.spec.provider_config {
+            None | Some(serde_json::Value::Null) => Ok(Self::default()),
+            Some(value) => {
+                Self::from_json_value(value).map_err(|e| e.within("spec.providerConfig"))
+            }
+        }
+    }
+
+    /// Checks what the types alone cannot: type meta and value ranges.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.api_version != PROVIDER_API_VERSION {
+            return Err(ConfigError::new(
+                "apiVersion",
+                format!(
+                    "is {:?}, expected {PROVIDER_API_VERSION:?}",
+                    self.api_version
+                ),
+            ));
+        }
+        if self.kind != KIND {
+            return Err(ConfigError::new(
+                "kind",
+                format!("is {:?}, expected {KIND:?}", self.kind),
+            ));
+        }
+        let m = &self.map_sizes;
+        for (name, size) in [
+            ("services", m.services),
+            ("backends", m.backends),
+            ("sockRevNat", m.sock_rev_nat),
+            ("conntrack", m.conntrack),
+        ] {
+            if size == 0 || size > MAX_MAP_ENTRIES {
+                return Err(ConfigError::new(
+                    format!("mapSizes.{name}"),
+                    format!("is {size}, must be between 1 and {MAX_MAP_ENTRIES}"),
+                ));
+            }
+        }
+        let t = self.session_affinity.default_timeout_seconds;
+        if t == 0 || t > MAX_AFFINITY_TIMEOUT_SECONDS {
+            return Err(ConfigError::new(
+                "sessionAffinity.defaultTimeoutSeconds",
+                format!("is {t}, must be between 1 and {MAX_AFFINITY_TIMEOUT_SECONDS}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// What gardenet does about Services, given whether the shoot runs kube-proxy
+    /// (`spec.kubernetes.kubeProxy.enabled` of the Shoot).
+    pub fn service_routing(&self, kube_proxy_enabled: bool) -> ServiceRouting {
+        match (kube_proxy_enabled, self.kube_proxy_replacement.enabled) {
+            (false, None | Some(true)) => ServiceRouting::Required,
+            (false, Some(false)) => ServiceRouting::Refused,
+            (true, Some(true)) => ServiceRouting::Requested,
+            (true, None | Some(false)) => ServiceRouting::Off,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gardener::network::NetworkSpec;
+
+    const FULL: &str = r#"
+apiVersion: gardenet.networking.extensions.gardener.cloud/v1alpha1
+kind: NetworkConfig
+kubeProxyReplacement:
+  enabled: true
+interfaces:
+  include: ["^eth0$", "^ens"]
+  exclude: ["^enP"]
+socketLB:
+  enabled: true
+  hostNamespaceOnly: true
+xdp:
+  mode: native
+sessionAffinity:
+  defaultTimeoutSeconds: 600
+mapSizes:
+  services: 1024
+  backends: 2048
+  sockRevNat: 4096
+  conntrack: 8192
+"#;
+
+    fn err(text: &str) -> ConfigError {
+        NetworkConfig::from_yaml_str(text).expect_err("config should be rejected")
+    }
+
+    fn header() -> String {
+        format!("apiVersion: {PROVIDER_API_VERSION}\nkind: NetworkConfig\n")
+    }
+
+    #[test]
+    fn parses_full_config() {
+        let c = NetworkConfig::from_yaml_str(FULL).unwrap();
+        assert_eq!(c.kube_proxy_replacement.enabled, Some(true));
+        assert!(c.interfaces.selects("eth0"));
+        assert!(!c.interfaces.selects("eth1"));
+        assert!(c.interfaces.selects("ens5"));
+        assert!(c.socket_lb.enabled && c.socket_lb.host_namespace_only);
+        assert_eq!(c.xdp.mode, XdpMode::Native);
+        assert_eq!(c.session_affinity.default_timeout_seconds, 600);
+        assert_eq!(
+            c.map_sizes,
+            MapSizes {
+                services: 1024,
+                backends: 2048,
+                sock_rev_nat: 4096,
+                conntrack: 8192
+            }
+        );
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = NetworkConfig::from_yaml_str(&header()).unwrap();
+        assert_eq!(c, NetworkConfig::default());
+        assert_eq!(c.kube_proxy_replacement.enabled, None);
+        assert!(c.socket_lb.enabled && !c.socket_lb.host_namespace_only);
+        assert_eq!(c.xdp.mode, XdpMode::Off);
+        assert_eq!(c.session_affinity.default_timeout_seconds, 10_800);
+        assert_eq!(c.map_sizes.services, gardenet_common::DEFAULT_SERVICES_MAX);
+        assert_eq!(c.map_sizes.conntrack, gardenet_common::DEFAULT_CT_MAX);
+    }
+
+    #[test]
+    fn partial_block_defaults_the_rest() {
+        let c = NetworkConfig::from_yaml_str(&format!(
+            "{}socketLB:\n  hostNamespaceOnly: true\n",
+            header()
+        ))
+        .unwrap();
+        assert!(c.socket_lb.enabled);
+        assert!(c.socket_lb.host_namespace_only);
+    }
+
+    #[test]
+    fn default_interfaces_skip_azure_vfs_and_virtual_devices() {
+        let i = Interfaces::default();
+        for name in ["eth0", "ens5", "enp0s3", "eno1", "bond0"] {
+            assert!(i.selects(name), "{name} should be selected");
+        }
+        for name in [
+            "enP12345s1",
+            "lo",
+            "veth1234",
+            "cali123",
+            "docker0",
+            "tunl0",
+        ] {
+            assert!(!i.selects(name), "{name} should not be selected");
+        }
+    }
+
+    #[test]
+    fn round_trips_through_serialization() {
+        let c = NetworkConfig::from_yaml_str(FULL).unwrap();
+        let text = serde_yaml::to_string(&c).unwrap();
+        assert_eq!(NetworkConfig::from_yaml_str(&text).unwrap(), c);
+        let json = serde_json::to_value(&c).unwrap();
+        assert_eq!(json["socketLB"]["hostNamespaceOnly"], true);
+        assert_eq!(json["xdp"]["mode"], "native");
+    }
+
+    #[test]
+    fn unknown_top_level_field_is_named() {
+        let e = err(&format!("{}overlay:\n  enabled: true\n", header()));
+        assert!(e.to_string().contains("unknown field `overlay`"), "{e}");
+    }
+
+    #[test]
+    fn unknown_nested_field_is_named_with_its_block() {
+        let e = err(&format!("{}socketLB:\n  enabld: true\n", header()));
+        assert_eq!(e.field, "socketLB.enabld");
+        assert!(e.message.contains("unknown field `enabld`"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_field() {
+        let e = err(&format!("{}socketLB:\n  enabled: \"yes\"\n", header()));
+        assert_eq!(e.field, "socketLB.enabled");
+        assert!(e.message.contains("invalid type"), "{e}");
+
+        let e = err(&format!("{}mapSizes:\n  services: -1\n", header()));
+        assert_eq!(e.field, "mapSizes.services");
+
+        let e = err(&format!("{}interfaces:\n  include: eth0\n", header()));
+        assert_eq!(e.field, "interfaces.include");
+    }
+
+    #[test]
+    fn invalid_regex_names_the_element() {
+        let e = err(&format!(
+            "{}interfaces:\n  exclude: [\"^ok\", \"(unclosed\"]\n",
+            header()
+        ));
+        assert_eq!(e.field, "interfaces.exclude[1]");
+        assert!(e.message.contains("invalid regular expression"), "{e}");
+    }
+
+    #[test]
+    fn xdp_mode_values() {
+        for (text, mode) in [
+            ("off", XdpMode::Off),
+            ("generic", XdpMode::Generic),
+            ("native", XdpMode::Native),
+            ("auto", XdpMode::Auto),
+        ] {
+            let c = NetworkConfig::from_yaml_str(&format!("{}xdp:\n  mode: {text}\n", header()))
+                .unwrap();
+            assert_eq!(c.xdp.mode, mode);
+        }
+        let e = err(&format!("{}xdp:\n  mode: turbo\n", header()));
+        assert_eq!(e.field, "xdp.mode");
+        assert!(e.message.contains("turbo"), "{e}");
+        // YAML 1.1 `off` as produced by kubectl.
+        let v = serde_json::json!({"apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig", "xdp": {"mode": false}});
+        assert_eq!(
+            NetworkConfig::from_json_value(&v).unwrap().xdp.mode,
+            XdpMode::Off
+        );
+        let v = serde_json::json!({"apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig", "xdp": {"mode": true}});
+        assert_eq!(
+            NetworkConfig::from_json_value(&v).unwrap_err().field,
+            "xdp.mode"
+        );
+    }
+
+    #[test]
+    fn range_checks_name_the_field() {
+        let e = err(&format!("{}mapSizes:\n  conntrack: 0\n", header()));
+        assert_eq!(e.field, "mapSizes.conntrack");
+        let e = err(&format!(
+            "{}mapSizes:\n  backends: {}\n",
+            header(),
+            MAX_MAP_ENTRIES + 1
+        ));
+        assert_eq!(e.field, "mapSizes.backends");
+        let e = err(&format!(
+            "{}sessionAffinity:\n  defaultTimeoutSeconds: 0\n",
+            header()
+        ));
+        assert_eq!(e.field, "sessionAffinity.defaultTimeoutSeconds");
+        let e = err(&format!(
+            "{}sessionAffinity:\n  defaultTimeoutSeconds: 86401\n",
+            header()
+        ));
+        assert_eq!(e.field, "sessionAffinity.defaultTimeoutSeconds");
+    }
+
+    #[test]
+    fn type_meta_is_required_and_checked() {
+        let e = err("kind: NetworkConfig\n");
+        assert!(e.message.contains("apiVersion"), "{e}");
+        let e = err("apiVersion: calico.networking.extensions.gardener.cloud/v1alpha1\nkind: NetworkConfig\n");
+        assert_eq!(e.field, "apiVersion");
+        let e = err(&format!(
+            "apiVersion: {PROVIDER_API_VERSION}\nkind: NetworkStatus\n"
+        ));
+        assert_eq!(e.field, "kind");
+        let e = err("   \n");
+        assert_eq!(e.field, "");
+        let e = err("- a\n- b\n");
+        assert!(e.message.contains("invalid type"), "{e}");
+    }
+
+    fn network(type_: &str, provider_config: Option<serde_json::Value>) -> Network {
+        Network::new(
+            "shoot",
+            NetworkSpec {
+                type_: type_.into(),
+                provider_config,
+                pod_cidr: "100.96.0.0/11".into(),
+                service_cidr: "100.64.0.0/13".into(),
+                ..Default::default()
+            },
+        )
+    }
+
+    #[test]
+    fn from_network() {
+        assert_eq!(
+            NetworkConfig::from_network(&network("gardenet", None)).unwrap(),
+            NetworkConfig::default()
+        );
+
+        let pc = serde_json::json!({
+            "apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig",
+            "kubeProxyReplacement": {"enabled": false},
+        });
+        let c = NetworkConfig::from_network(&network("gardenet", Some(pc))).unwrap();
+        assert_eq!(c.kube_proxy_replacement.enabled, Some(false));
+
+        let pc = serde_json::json!({
+            "apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig", "socketLB": {"enabled": 1},
+        });
+        let e = NetworkConfig::from_network(&network("gardenet", Some(pc))).unwrap_err();
+        assert_eq!(e.field, "spec.providerConfig.socketLB.enabled");
+
+        let e = NetworkConfig::from_network(&network("calico", None)).unwrap_err();
+        assert_eq!(e.field, "spec.type");
+    }
+
+    #[test]
+    fn service_routing_follows_the_contract() {
+        let mut c = NetworkConfig::default();
+        assert_eq!(c.service_routing(false), ServiceRouting::Required);
+        assert_eq!(c.service_routing(true), ServiceRouting::Off);
+        c.kube_proxy_replacement.enabled = Some(true);
+        assert_eq!(c.service_routing(false), ServiceRouting::Required);
+        assert_eq!(c.service_routing(true), ServiceRouting::Requested);
+        c.kube_proxy_replacement.enabled = Some(false);
+        assert_eq!(c.service_routing(false), ServiceRouting::Refused);
+        assert_eq!(c.service_routing(true), ServiceRouting::Off);
+        assert!(ServiceRouting::Required.active() && ServiceRouting::Requested.active());
+        assert!(!ServiceRouting::Off.active() && !ServiceRouting::Refused.active());
+    }
+}

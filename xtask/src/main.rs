@@ -1,0 +1,228 @@
+//! Project tasks: `cargo xtask <setup|build-ebpf|test|demo|bench>`.
+use std::{
+    env,
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what the build and tests need (Debian packages, bpf-linker). Idempotent.
+    Setup,
+    /// Compile the eBPF crate for bpfel-unknown-none on a stable rustc, linked by bpf-linker, with BTF.
+    BuildEbpf {
+        /// Print the toolchain decision and the command, do not build.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Set up, build and run every test (unit, API double, privileged namespace tests).
+    Test {
+        /// Extra arguments for `cargo test` (after `--`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Set up, build and run the Service load-balancing demo in network namespaces.
+    Demo {
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Benchmarks that print tables: `dataplane` or `control-plane`.
+    Bench {
+        which: String,
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Setup => setup(),
+        Cmd::BuildEbpf { dry_run } => build_ebpf(dry_run),
+        Cmd::Test { args } => {
+            setup()?;
+            build_ebpf(false)?;
+            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            let mut a = vec!["test".to_string()];
+            if !args.is_empty() {
+                a.push("--".into());
+                a.extend(args);
+            }
+            cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())
+        }
+        Cmd::Demo { args } => {
+            setup()?;
+            build_ebpf(false)?;
+            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            run(Command::new(root().join("target/debug/gardenet-demo")).args(args))
+        }
+        Cmd::Bench { which, args } => {
+            let bin = match which.as_str() {
+                "dataplane" => "gardenet-bench-dataplane",
+                "control-plane" => "gardenet-bench-control-plane",
+                other => bail!("unknown benchmark {other:?}: dataplane or control-plane"),
+            };
+            setup()?;
+            build_ebpf(false)?;
+            cargo(&["build", "--release", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            run(Command::new(root().join("target/release").join(bin)).args(args))
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let st = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !st.success() {
+        bail!("{cmd:?} failed: {st}");
+    }
+    Ok(())
+}
+
+fn cargo(args: &[&str]) -> Result<()> {
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    run(Command::new(cargo).current_dir(root()).args(args))
+}
+
+fn have(cmd: &str) -> bool {
+    Command::new("sh").arg("-c").arg(format!("command -v {cmd} >/dev/null 2>&1")).status().is_ok_and(|s| s.success())
+}
+
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+}
+
+/// The rustc that cargo uses for host builds (rustup's, normally).
+fn host_rustc() -> OsString {
+    env::var_os("RUSTC").unwrap_or_else(|| "rustc".into())
+}
+
+fn sysroot(rustc: &OsString) -> Option<PathBuf> {
+    let o = Command::new(rustc).args(["--print", "sysroot"]).output().ok()?;
+    o.status.success().then(|| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+}
+
+fn has_rust_src(sysroot: &Path) -> bool {
+    sysroot.join("lib/rustlib/src/rust/library/core/Cargo.toml").exists()
+}
+
+const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
+
+fn setup() -> Result<()> {
+    let mut pkgs: Vec<&str> = Vec::new();
+    for (bin, pkg) in [("ip", "iproute2"), ("nsenter", "util-linux"), ("iptables-restore", "iptables")] {
+        if !have(bin) {
+            pkgs.push(pkg);
+        }
+    }
+    let toolchain_src = sysroot(&host_rustc()).is_some_and(|s| has_rust_src(&s));
+    let debian_src = Path::new(DEBIAN_RUSTC).exists() && Path::new("/usr/lib/rustlib/src/rust/library/core/Cargo.toml").exists();
+    if !toolchain_src && !debian_src {
+        pkgs.extend(["rustc-web", "rust-web-src"]);
+    }
+    if !pkgs.is_empty() {
+        if !is_root() || !have("apt-get") {
+            bail!("missing packages {pkgs:?}: install them (Debian: apt-get install {})", pkgs.join(" "));
+        }
+        eprintln!("xtask: installing {}", pkgs.join(" "));
+        run(Command::new("apt-get").args(["update", "-qq"]))?;
+        run(Command::new("apt-get").args(["install", "-y", "-qq", "--no-install-recommends"]).args(&pkgs).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    if !have("bpf-linker") && !cargo_bin("bpf-linker").exists() {
+        install_bpf_linker()?;
+    }
+    Ok(())
+}
+
+fn cargo_bin(name: &str) -> PathBuf {
+    let home = env::var_os("CARGO_HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env::var_os("HOME").unwrap_or_default()).join(".cargo"));
+    home.join("bin").join(name)
+}
+
+/// bpf-linker built against the LLVM that ships with the active rustup toolchain, so no
+/// system LLVM is needed and its version matches the rustc that emits the bitcode.
+fn install_bpf_linker() -> Result<()> {
+    let sr = sysroot(&host_rustc()).context("cannot find the toolchain sysroot")?;
+    let lib = sr.join("lib");
+    let llvm = std::fs::read_dir(&lib)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so")))
+        .with_context(|| format!("no libLLVM in {}: install bpf-linker by hand (cargo install bpf-linker)", lib.display()))?;
+    let major = llvm.trim_start_matches("libLLVM.so.").trim_start_matches("libLLVM-").split(['.', '-']).next().unwrap_or("").to_string();
+    eprintln!("xtask: installing bpf-linker against {}/{llvm} (LLVM {major})", lib.display());
+    let flags = format!("-L {} -C link-arg=-l:{llvm} -C link-arg=-Wl,-rpath,{}", lib.display(), lib.display());
+    run(Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+        .args(["install", "--locked", "bpf-linker", "--no-default-features", "--features"])
+        .arg(format!("llvm-{major},no-llvm-linking"))
+        .env("RUSTFLAGS", flags))
+}
+
+/// Picks the compiler for the eBPF build: one with its own rust-src (rustup with the
+/// `rust-src` component), else Debian's stable rustc with its packaged library source.
+fn ebpf_rustc() -> Result<(OsString, &'static str)> {
+    let host = host_rustc();
+    if sysroot(&host).is_some_and(|s| has_rust_src(&s)) {
+        return Ok((host, "the active toolchain (it has rust-src)"));
+    }
+    if Path::new(DEBIAN_RUSTC).exists() && sysroot(&DEBIAN_RUSTC.into()).is_some_and(|s| has_rust_src(&s)) {
+        return Ok((DEBIAN_RUSTC.into(), "Debian's rustc with rust-web-src"));
+    }
+    bail!(
+        "no Rust toolchain with library source (rust-src) for -Z build-std=core. Fix either way:\n  \
+         - rustup users: rustup component add rust-src\n  \
+         - Debian 12: apt-get install rustc-web rust-web-src   (or run `cargo xtask setup` as root)"
+    )
+}
+
+fn build_ebpf(dry_run: bool) -> Result<()> {
+    let (rustc, why) = ebpf_rustc()?;
+    let linker_dir = cargo_bin("bpf-linker").parent().unwrap().to_path_buf();
+    if !have("bpf-linker") && !linker_dir.join("bpf-linker").exists() {
+        bail!("bpf-linker is not installed: run `cargo xtask setup` (or cargo install bpf-linker)");
+    }
+    let target_dir = root().join("target/bpf");
+    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(root().join("ebpf"))
+        .args(["build", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none", "--target-dir"])
+        .arg(&target_dir)
+        .env("RUSTC", &rustc)
+        // -Z build-std on a stable compiler; no nightly toolchain involved.
+        .env("RUSTC_BOOTSTRAP", "1")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTFLAGS")
+        .env("CARGO_ENCODED_RUSTFLAGS", ["-C", "debuginfo=2", "-C", "link-arg=--btf"].join("\x1f"))
+        .env("PATH", {
+            let mut p = OsString::from(&linker_dir);
+            p.push(":");
+            p.push(env::var_os("PATH").unwrap_or_default());
+            p
+        });
+    eprintln!("xtask: building eBPF with {} ({why})", rustc.to_string_lossy());
+    if dry_run {
+        eprintln!("{cmd:?}");
+        return Ok(());
+    }
+    run(&mut cmd)?;
+    let obj = target_dir.join("bpfel-unknown-none/release/gardenet");
+    let bytes = std::fs::read(&obj).with_context(|| format!("reading {}", obj.display()))?;
+    if !bytes.windows(5).any(|w| w == b".BTF\0") {
+        bail!("{} has no .BTF section", obj.display());
+    }
+    eprintln!("xtask: {} ({} bytes, with BTF)", obj.display(), bytes.len());
+    Ok(())
+}
