@@ -1,2 +1,4 @@
 
 pub mod apiserver;
+pub mod lab;
+pub mod netns;

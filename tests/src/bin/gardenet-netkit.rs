@@ -1,0 +1,299 @@
+//! Test servers and clients for the namespace labs. Servers answer with their name; clients
+//! print one JSON object on stdout. Every client loop is bounded in count and time.
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, ErrorKind, Read, Write},
+    net::{Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use serde_json::json;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// TCP and UDP server on 0.0.0.0:PORT answering with NAME.
+    Serve {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        port: u16,
+    },
+    /// COUNT TCP connections (connect, one request, one reply, close); counts answers by name.
+    Tcp {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
+    /// COUNT datagrams from one unconnected UDP socket; counts answers by name and by source.
+    Udp {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
+    /// Connect, then report getpeername() and the answering backend (TCP, or connected UDP).
+    Peername {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long)]
+        udp: bool,
+    },
+    /// One connect attempt: the outcome and how long it took.
+    Connect {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 3000)]
+        timeout_ms: u64,
+    },
+    /// Sends BYTES to a backend and receives BYTES back over one connection.
+    Bulk {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long)]
+        bytes: u64,
+        /// Pause between chunks (ms): stretches a transfer so it spans an event (restart).
+        #[arg(long, default_value_t = 0)]
+        pace_ms: u64,
+    },
+    /// Opens CONNS connections, prints their backends, waits for a line on stdin, then checks
+    /// that each connection still works and prints the result.
+    Hold {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long)]
+        conns: u32,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Serve { name, port } => serve(&name, port),
+        Cmd::Tcp { to, count, timeout_ms } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms)),
+        Cmd::Udp { to, count, timeout_ms } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms)),
+        Cmd::Peername { to, udp } => peername(to, udp),
+        Cmd::Connect { to, timeout_ms } => connect(to, Duration::from_millis(timeout_ms)),
+        Cmd::Bulk { to, bytes, pace_ms } => bulk(to, bytes.min(1 << 30), pace_ms),
+        Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
+    }
+}
+
+fn serve(name: &str, port: u16) -> Result<()> {
+    let udp = UdpSocket::bind(("0.0.0.0", port))?;
+    let uname = name.to_owned();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while let Ok((_, peer)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(uname.as_bytes(), peer);
+        }
+    });
+    let l = TcpListener::bind(("0.0.0.0", port))?;
+    for s in l.incoming() {
+        let Ok(s) = s else { continue };
+        let name = name.to_owned();
+        std::thread::spawn(move || {
+            let _ = handle(s, &name);
+        });
+    }
+    Ok(())
+}
+
+/// Line protocol: `HELLO` -> name; `SINK n` -> reads n bytes, answers `name n`;
+/// `SOURCE n` -> answers `name` then n bytes; `PING` -> name (repeatable).
+fn handle(s: TcpStream, name: &str) -> Result<()> {
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut w = s;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        let mut parts = line.split_whitespace();
+        match (parts.next(), parts.next().and_then(|n| n.parse::<u64>().ok())) {
+            (Some("SINK"), Some(n)) => {
+                let got = std::io::copy(&mut (&mut r).take(n), &mut std::io::sink())?;
+                writeln!(w, "{name} {got}")?;
+            }
+            (Some("SOURCE"), Some(n)) => {
+                writeln!(w, "{name}")?;
+                let chunk = vec![0x5au8; 64 * 1024];
+                let mut left = n;
+                while left > 0 {
+                    let k = left.min(chunk.len() as u64) as usize;
+                    w.write_all(&chunk[..k])?;
+                    left -= k as u64;
+                }
+            }
+            _ => writeln!(w, "{name}")?,
+        }
+    }
+}
+
+fn err_kind(e: &std::io::Error) -> String {
+    format!("{:?}", e.kind())
+}
+
+fn request(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let s = TcpStream::connect_timeout(&to, timeout)?;
+    s.set_read_timeout(Some(timeout))?;
+    (&s).write_all(b"HELLO\n")?;
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line)?;
+    let _ = s.shutdown(Shutdown::Both);
+    if line.is_empty() {
+        return Err(std::io::Error::new(ErrorKind::UnexpectedEof, "no answer"));
+    }
+    Ok(line.trim().to_owned())
+}
+
+fn tcp(to: SocketAddr, count: u32, timeout: Duration) -> Result<()> {
+    let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+    let mut errors: BTreeMap<String, u32> = BTreeMap::new();
+    let t0 = Instant::now();
+    for _ in 0..count {
+        match request(to, timeout) {
+            Ok(n) => *counts.entry(n).or_default() += 1,
+            Err(e) => *errors.entry(err_kind(&e)).or_default() += 1,
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    println!("{}", json!({"counts": counts, "errors": errors, "seconds": secs, "per_second": count as f64 / secs}));
+    Ok(())
+}
+
+fn udp(to: SocketAddr, count: u32, timeout: Duration) -> Result<()> {
+    let s = UdpSocket::bind("0.0.0.0:0")?;
+    s.set_read_timeout(Some(timeout))?;
+    let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+    let mut sources: BTreeMap<String, u32> = BTreeMap::new();
+    let mut errors: BTreeMap<String, u32> = BTreeMap::new();
+    let mut buf = [0u8; 2048];
+    for _ in 0..count {
+        if let Err(e) = s.send_to(b"HELLO", to) {
+            *errors.entry(err_kind(&e)).or_default() += 1;
+            continue;
+        }
+        match s.recv_from(&mut buf) {
+            Ok((n, from)) => {
+                *counts.entry(String::from_utf8_lossy(&buf[..n]).into_owned()).or_default() += 1;
+                *sources.entry(from.to_string()).or_default() += 1;
+            }
+            Err(e) => *errors.entry(err_kind(&e)).or_default() += 1,
+        }
+    }
+    println!("{}", json!({"counts": counts, "sources": sources, "errors": errors}));
+    Ok(())
+}
+
+fn peername(to: SocketAddr, udp: bool) -> Result<()> {
+    let (peer, name) = if udp {
+        let s = UdpSocket::bind("0.0.0.0:0")?;
+        s.connect(to)?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        s.send(b"HELLO")?;
+        let mut buf = [0u8; 2048];
+        let n = s.recv(&mut buf)?;
+        (s.peer_addr()?, String::from_utf8_lossy(&buf[..n]).into_owned())
+    } else {
+        let s = TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        (&s).write_all(b"HELLO\n")?;
+        let mut line = String::new();
+        BufReader::new(&s).read_line(&mut line)?;
+        (s.peer_addr()?, line.trim().to_owned())
+    };
+    println!("{}", json!({"peer": peer.to_string(), "name": name}));
+    Ok(())
+}
+
+fn connect(to: SocketAddr, timeout: Duration) -> Result<()> {
+    let t0 = Instant::now();
+    let r = TcpStream::connect_timeout(&to, timeout);
+    let ms = t0.elapsed().as_secs_f64() * 1000.0;
+    let outcome = match &r {
+        Ok(_) => "Connected".to_string(),
+        Err(e) => err_kind(e),
+    };
+    println!("{}", json!({"outcome": outcome, "elapsed_ms": ms, "error": r.err().map(|e| e.to_string())}));
+    Ok(())
+}
+
+fn bulk(to: SocketAddr, bytes: u64, pace_ms: u64) -> Result<()> {
+    let t0 = Instant::now();
+    let s = TcpStream::connect_timeout(&to, Duration::from_secs(3))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut w = s;
+    // Upload: every packet crosses the ingress DNAT.
+    writeln!(w, "SINK {bytes}")?;
+    let chunk = vec![0xa5u8; 64 * 1024];
+    let mut left = bytes;
+    while left > 0 {
+        let k = left.min(chunk.len() as u64) as usize;
+        w.write_all(&chunk[..k])?;
+        left -= k as u64;
+        if pace_ms > 0 {
+            std::thread::sleep(Duration::from_millis(pace_ms));
+        }
+    }
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let mut it = line.split_whitespace();
+    let up_name = it.next().unwrap_or("").to_owned();
+    let up_got: u64 = it.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+    // Download on the same connection: every reply packet crosses the reverse NAT.
+    writeln!(w, "SOURCE {bytes}")?;
+    line.clear();
+    r.read_line(&mut line)?;
+    let down_name = line.trim().to_owned();
+    let down_got = std::io::copy(&mut (&mut r).take(bytes), &mut std::io::sink())?;
+    if up_name.is_empty() {
+        bail!("no answer to SINK");
+    }
+    println!(
+        "{}",
+        json!({"upload_backend": up_name, "uploaded": up_got, "download_backend": down_name, "downloaded": down_got,
+               "seconds": t0.elapsed().as_secs_f64()})
+    );
+    Ok(())
+}
+
+fn hold(to: SocketAddr, conns: u32) -> Result<()> {
+    let mut socks = Vec::new();
+    let mut names = Vec::new();
+    for _ in 0..conns {
+        let s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).context("connect")?;
+        s.set_read_timeout(Some(Duration::from_secs(3)))?;
+        (&s).write_all(b"PING\n")?;
+        let mut r = BufReader::new(s.try_clone()?);
+        let mut line = String::new();
+        r.read_line(&mut line)?;
+        names.push(line.trim().to_owned());
+        socks.push((s, r));
+    }
+    println!("{}", json!({"names": names}));
+    std::io::stdout().flush()?;
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go)?;
+    let mut after = Vec::new();
+    for (s, r) in socks.iter_mut() {
+        let mut line = String::new();
+        let ok = (&*s).write_all(b"PING\n").and_then(|_| r.read_line(&mut line)).is_ok();
+        after.push(if ok && !line.trim().is_empty() { line.trim().to_owned() } else { String::new() });
+    }
+    println!("{}", json!({"names": names, "after": after}));
+    Ok(())
+}

@@ -1,0 +1,327 @@
+//! The standard Service lab: a client host, a node, and backend "pods" running netkit
+//! servers that answer with their own name, plus a running `gardenet-agent` on the node.
+//!
+//! ```text
+//!  client ns                 node ns                         backend ns (xN)
+//!  c0 198.18.0.2/24 ── veth ── nc0 198.18.0.1/24
+//!                             br0 198.18.1.1/24 ── veth ── e0 198.18.1.(10+i)/24
+//! ```
+//! The client routes 198.18.1.0/24 (pods) and 198.19.0.0/16 (service VIPs) via the node;
+//! backends route the client subnet via the node. No namespace has a default route.
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{mpsc, Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::netns::{sibling_binary, sweep_leftovers, unique_tag, Netns, Proc, TestCgroup};
+
+pub const CLIENT_IP: &str = "198.18.0.2";
+pub const NODE_IP: &str = "198.18.0.1";
+pub const NODE_POD_GW: &str = "198.18.1.1";
+pub const SERVER_PORT: u16 = 8080;
+
+pub fn backend_ip(i: usize) -> String {
+    format!("198.18.1.{}", 10 + i)
+}
+
+pub fn backend_name(i: usize) -> String {
+    format!("be{}", i + 1)
+}
+
+pub struct Lab {
+    pub tag: String,
+    // Field order is drop order: processes first, then cgroup, then namespaces.
+    servers: Vec<Proc>,
+    /// cgroup the client runs in when socket LB should apply.
+    pub cgroup: TestCgroup,
+    pub client: Netns,
+    pub node: Netns,
+    pub backends: Vec<Netns>,
+    pub netkit: PathBuf,
+}
+
+impl Lab {
+    pub fn new(n_backends: usize) -> Result<Self> {
+        crate::netns::require_root();
+        sweep_leftovers();
+        let tag = unique_tag();
+        let client = Netns::new(&format!("{tag}-cli"))?;
+        let node = Netns::new(&format!("{tag}-node"))?;
+        let mut backends = Vec::new();
+        for i in 0..n_backends {
+            backends.push(Netns::new(&format!("{tag}-be{}", i + 1))?);
+        }
+        let cgroup = TestCgroup::new(&tag)?;
+        let netkit = sibling_binary("gardenet-netkit")?;
+        let lab = Lab { tag, servers: Vec::new(), cgroup, client, node, backends, netkit };
+        lab.wire()?;
+        let mut lab = lab;
+        for i in 0..n_backends {
+            lab.start_server(i)?;
+        }
+        lab.wait_servers()?;
+        Ok(lab)
+    }
+
+    fn wire(&self) -> Result<()> {
+        let (c, n) = (&self.client, &self.node);
+        n.ip(&["link", "add", "nc0", "type", "veth", "peer", "name", "c0", "netns", &c.name])?;
+        n.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "nc0"])?;
+        n.ip(&["link", "set", "nc0", "up"])?;
+        c.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "c0"])?;
+        c.ip(&["link", "set", "c0", "up"])?;
+        c.ip(&["route", "add", "198.18.1.0/24", "via", NODE_IP])?;
+        c.ip(&["route", "add", "198.19.0.0/16", "via", NODE_IP])?;
+        n.ip(&["link", "add", "br0", "type", "bridge"])?;
+        n.ip(&["addr", "add", &format!("{NODE_POD_GW}/24"), "dev", "br0"])?;
+        n.ip(&["link", "set", "br0", "up"])?;
+        n.sysctl("net.ipv4.ip_forward", "1")?;
+        n.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+        for (i, b) in self.backends.iter().enumerate() {
+            let nb = format!("nb{}", i + 1);
+            n.ip(&["link", "add", &nb, "type", "veth", "peer", "name", "e0", "netns", &b.name])?;
+            n.ip(&["link", "set", &nb, "master", "br0"])?;
+            n.ip(&["link", "set", &nb, "up"])?;
+            b.ip(&["addr", "add", &format!("{}/24", backend_ip(i)), "dev", "e0"])?;
+            b.ip(&["link", "set", "e0", "up"])?;
+            b.ip(&["route", "add", "198.18.0.0/24", "via", NODE_POD_GW])?;
+        }
+        Ok(())
+    }
+
+    fn start_server(&mut self, i: usize) -> Result<()> {
+        let mut cmd = self.backends[i].command(&self.netkit, None)?;
+        cmd.args(["serve", "--name", &backend_name(i), "--port", &SERVER_PORT.to_string()]);
+        self.servers.push(Proc::spawn(cmd, &format!("server {}", backend_name(i)))?);
+        Ok(())
+    }
+
+    /// Waits until every server answers directly (from the client, without any LB).
+    fn wait_servers(&self) -> Result<()> {
+        for i in 0..self.backends.len() {
+            let to = format!("{}:{SERVER_PORT}", backend_ip(i));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let v = self.client_json(false, &["tcp", "--to", &to, "--count", "1", "--timeout-ms", "300"]);
+                if v.as_ref().is_ok_and(|v| v["counts"][backend_name(i)] == 1) {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!("server {} at {to} does not answer: {v:?}", backend_name(i));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+
+    /// A netkit command in the client namespace; `socket_lb` puts it in the LB cgroup.
+    pub fn client_cmd(&self, socket_lb: bool, args: &[&str]) -> Result<Command> {
+        let mut cmd = self.client.command(&self.netkit, socket_lb.then_some(&self.cgroup))?;
+        cmd.args(args);
+        Ok(cmd)
+    }
+
+    /// Runs a netkit client to completion and parses its JSON output.
+    pub fn client_json(&self, socket_lb: bool, args: &[&str]) -> Result<serde_json::Value> {
+        let out = self.client_cmd(socket_lb, args)?.stderr(Stdio::inherit()).output()?;
+        if !out.status.success() {
+            bail!("netkit {args:?} failed: {}", out.status);
+        }
+        serde_json::from_slice(&out.stdout).with_context(|| format!("netkit output: {}", String::from_utf8_lossy(&out.stdout)))
+    }
+}
+
+/// YAML for a ClusterIP Service with one port named `p` (TCP and/or UDP).
+pub fn service_yaml(name: &str, vip: &str, port: u16, protos: &[&str]) -> String {
+    let ports: Vec<String> = protos
+        .iter()
+        .map(|p| format!("  - {{name: p-{}, port: {port}, targetPort: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase()))
+        .collect();
+    format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  clusterIP: {vip}\n  ports:\n{}\n", ports.join("\n"))
+}
+
+/// YAML for an EndpointSlice of `svc` with the given backend indexes (ready) and protocols.
+pub fn slice_yaml(svc: &str, backends: &[usize], protos: &[&str]) -> String {
+    let ports: Vec<String> = protos.iter().map(|p| format!("  - {{name: p-{}, port: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase())).collect();
+    let eps: Vec<String> = backends.iter().map(|i| format!("  - addresses: [{}]\n    conditions: {{ready: true}}", backend_ip(*i))).collect();
+    let eps = if eps.is_empty() { "endpoints: []".to_string() } else { format!("endpoints:\n{}", eps.join("\n")) };
+    format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-1, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: IPv4\nports:\n{}\n{eps}\n",
+        ports.join("\n")
+    )
+}
+
+/// Options for the agent under test.
+#[derive(Clone, Debug, Default)]
+pub struct AgentOpts {
+    /// Attach socket LB to the lab's client cgroup.
+    pub socket_lb: bool,
+    /// Attach TC LB to the node's client-facing interface.
+    pub tc: bool,
+    pub extra: Vec<String>,
+}
+
+/// `gardenet-agent run --source dir:...` in the node namespace.
+pub struct Agent {
+    proc: Option<Proc>,
+    pub bpffs: PathBuf,
+    pub dir: PathBuf,
+    pub log: Arc<Mutex<Vec<String>>>,
+    pub bin: PathBuf,
+    opts: AgentOpts,
+}
+
+impl Agent {
+    /// Writes `manifests` (file name, YAML) and starts the agent; returns once it is ready.
+    pub fn start(lab: &Lab, opts: AgentOpts, manifests: &[(&str, String)]) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("{}-manifests", lab.tag));
+        std::fs::create_dir_all(&dir)?;
+        let mut a = Agent {
+            proc: None,
+            bpffs: PathBuf::from("/sys/fs/bpf").join(&lab.tag),
+            dir,
+            log: Default::default(),
+            bin: sibling_binary("gardenet-agent")?,
+            opts,
+        };
+        for (f, y) in manifests {
+            a.write(f, y)?;
+        }
+        a.launch(lab, true)?;
+        Ok(a)
+    }
+
+    fn launch(&mut self, lab: &Lab, reset: bool) -> Result<()> {
+        let mut cmd = lab.node.command(&self.bin, None)?;
+        cmd.arg("run")
+            .arg(format!("--source=dir:{}", self.dir.display()))
+            .arg(format!("--bpffs={}", self.bpffs.display()))
+            .args(["--node-name", "lab-node", "--poll-ms", "100"]);
+        if reset {
+            cmd.arg("--reset");
+        }
+        if self.opts.socket_lb {
+            cmd.arg(format!("--cgroup={}", lab.cgroup.path.display()));
+        } else {
+            cmd.arg("--no-socket-lb");
+        }
+        if self.opts.tc {
+            cmd.arg("--tc-interface=nc0");
+        }
+        cmd.args(&self.opts.extra).env("RUST_LOG", "info").env("NO_COLOR", "1").stderr(Stdio::piped()).stdout(Stdio::null());
+        let mut p = Proc::spawn(cmd, "gardenet-agent")?;
+        let stderr = p.child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let log = self.log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("ready:") {
+                    let _ = tx.send(());
+                }
+                eprintln!("    agent| {line}");
+                log.lock().unwrap().push(line);
+            }
+        });
+        self.proc = Some(p);
+        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+            bail!("agent did not become ready; log:\n{}", self.log.lock().unwrap().join("\n"));
+        }
+        Ok(())
+    }
+
+    /// Stops the agent (as an upgrade would) and starts it again on the same pins.
+    pub fn restart(&mut self, lab: &Lab) -> Result<()> {
+        if let Some(mut p) = self.proc.take() {
+            p.terminate();
+        }
+        self.launch(lab, false)
+    }
+
+    /// Writes a manifest atomically (the dir source must never see half a file).
+    pub fn write(&self, file: &str, yaml: &str) -> Result<()> {
+        let tmp = self.dir.join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, yaml)?;
+        std::fs::rename(&tmp, self.dir.join(file))?;
+        Ok(())
+    }
+
+    /// `gardenet-agent lb list --json` from a second process.
+    pub fn lb_list(&self) -> Result<serde_json::Value> {
+        let out = Command::new(&self.bin).args(["lb", "list", "--json", "--bpffs"]).arg(&self.bpffs).output()?;
+        if !out.status.success() {
+            bail!("lb list: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// Backends programmed for `frontend` ("ip:port/proto"), sorted.
+    pub fn programmed(&self, frontend: &str) -> Result<Option<Vec<String>>> {
+        let v = self.lb_list()?;
+        for f in v.as_array().into_iter().flatten() {
+            let fe = &f["frontend"];
+            let s = format!("{}:{}/{}", fe["addr"].as_str().unwrap_or(""), fe["port"], fe["proto"].as_str().unwrap_or(""));
+            if s == frontend {
+                let mut b: Vec<String> = f["backends"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|b| format!("{}:{}", b["addr"].as_str().unwrap_or(""), b["port"]))
+                    .collect();
+                b.sort();
+                return Ok(Some(b));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Polls until `frontend` has exactly `n` backends programmed.
+    pub fn wait_backends(&self, frontend: &str, n: usize) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = self.programmed(frontend)?;
+            if got.as_ref().is_some_and(|b| b.len() == n) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{frontend}: expected {n} backends, have {got:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.terminate();
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.bpffs);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Parses netkit's `counts` object into (name, count) pairs.
+pub fn counts(v: &serde_json::Value) -> Vec<(String, u64)> {
+    let mut out: Vec<(String, u64)> = v["counts"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0)))
+        .collect();
+    out.sort();
+    out
+}
+
+pub fn path_str(p: &Path) -> String {
+    p.display().to_string()
+}

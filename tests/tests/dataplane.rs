@@ -1,0 +1,181 @@
+//! Privileged dataplane tests in network namespaces: socket LB and TC LB carrying real TCP and
+//! UDP traffic to real servers. Needs root; fails (does not skip) without it.
+use std::{
+    io::{BufRead, BufReader, Write},
+    process::Stdio,
+    sync::{Mutex, MutexGuard},
+};
+
+use gardenet_tests::lab::{backend_ip, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT};
+
+/// One lab at a time: tests share the machine's two cores and keep timings sane.
+static LOCK: Mutex<()> = Mutex::new(());
+fn serial() -> MutexGuard<'static, ()> {
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const VIP: &str = "198.19.0.10";
+const PORT: u16 = 80;
+
+fn vip() -> String {
+    format!("{VIP}:{PORT}")
+}
+
+fn setup(opts: AgentOpts, backends: &[usize]) -> (Lab, Agent) {
+    let lab = Lab::new(3).expect("lab");
+    let agent = Agent::start(
+        &lab,
+        opts,
+        &[("svc.yaml", service_yaml("web", VIP, PORT, &["TCP", "UDP"])), ("eps.yaml", slice_yaml("web", backends, &["TCP", "UDP"]))],
+    )
+    .expect("agent");
+    agent.wait_backends(&format!("{}/tcp", vip()), backends.len()).unwrap();
+    agent.wait_backends(&format!("{}/udp", vip()), backends.len()).unwrap();
+    (lab, agent)
+}
+
+fn assert_spread(v: &serde_json::Value, total: u64) {
+    let c = counts(v);
+    assert_eq!(c.len(), 3, "all three backends must answer: {v}");
+    let sum: u64 = c.iter().map(|(_, n)| n).sum();
+    assert_eq!(sum, total, "every request answered: {v}");
+    for (name, n) in &c {
+        assert!(*n as f64 >= 0.15 * total as f64, "{name} got {n} of {total} (< 15%): {v}");
+    }
+}
+
+#[test]
+fn tcp_via_socket_lb_reaches_all_backends() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    let v = lab.client_json(true, &["tcp", "--to", &vip(), "--count", "300"]).unwrap();
+    eprintln!("socket LB, 300 TCP connections: {v}");
+    assert_spread(&v, 300);
+}
+
+#[test]
+fn udp_via_socket_lb_replies_come_from_the_vip() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    let v = lab.client_json(true, &["udp", "--to", &vip(), "--count", "300"]).unwrap();
+    eprintln!("socket LB, 300 unconnected UDP datagrams: {v}");
+    let sources = v["sources"].as_object().unwrap();
+    assert_eq!(sources.len(), 1, "replies must all appear to come from the VIP: {v}");
+    assert_eq!(sources[&vip()], 300, "{v}");
+    assert_spread(&v, 300);
+}
+
+#[test]
+fn getpeername_returns_the_vip() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    for udp in [false, true] {
+        let mut args = vec!["peername", "--to", VIP];
+        let to = vip();
+        args[2] = &to;
+        if udp {
+            args.push("--udp");
+        }
+        let v = lab.client_json(true, &args).unwrap();
+        assert_eq!(v["peer"], vip(), "udp={udp}: {v}");
+        assert!(v["name"].as_str().unwrap().starts_with("be"), "{v}");
+    }
+}
+
+#[test]
+fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
+    let _g = serial();
+    // Socket LB is attached to the lab cgroup, but this client runs outside it: only the TC
+    // programs on the node's interface can make the VIP work.
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[0, 1, 2]);
+    let v = lab.client_json(false, &["tcp", "--to", &vip(), "--count", "300"]).unwrap();
+    eprintln!("TC LB, 300 TCP connections: {v}");
+    assert_spread(&v, 300);
+
+    let u = lab.client_json(false, &["udp", "--to", &vip(), "--count", "60"]).unwrap();
+    let sources = u["sources"].as_object().unwrap();
+    assert_eq!(sources.len(), 1, "UDP replies must come from the VIP (reverse NAT): {u}");
+    assert_eq!(sources[&vip()], 60, "{u}");
+
+    let b = lab.client_json(false, &["bulk", "--to", &vip(), "--bytes", &(10u64 << 20).to_string()]).unwrap();
+    eprintln!("TC LB, 10 MiB each way: {b}");
+    assert_eq!(b["uploaded"], 10u64 << 20, "{b}");
+    assert_eq!(b["downloaded"], 10u64 << 20, "{b}");
+    assert_eq!(b["upload_backend"], b["download_backend"], "one connection, one backend: {b}");
+}
+
+fn backend_removal(socket_lb: bool) {
+    let (lab, agent) = setup(AgentOpts { socket_lb: true, tc: !socket_lb, ..Default::default() }, &[0, 1, 2]);
+    let mut hold = lab
+        .client_cmd(socket_lb, &["hold", "--to", &vip(), "--conns", "12"])
+        .unwrap()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(hold.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let before: serde_json::Value = serde_json::from_str(&line).unwrap();
+    eprintln!("held connections: {before}");
+
+    // be2 leaves the EndpointSlice.
+    agent.write("eps.yaml", &slice_yaml("web", &[0, 2], &["TCP", "UDP"])).unwrap();
+    agent.wait_backends(&format!("{}/tcp", vip()), 2).unwrap();
+    assert_eq!(
+        agent.programmed(&format!("{}/tcp", vip())).unwrap().unwrap(),
+        vec![format!("{}:{SERVER_PORT}", backend_ip(0)), format!("{}:{SERVER_PORT}", backend_ip(2))]
+    );
+
+    let v = lab.client_json(socket_lb, &["tcp", "--to", &vip(), "--count", "100"]).unwrap();
+    eprintln!("after removal: {v}");
+    let c = counts(&v);
+    assert!(c.iter().all(|(n, _)| n != "be2"), "no new connection may reach the removed backend: {v}");
+    assert_eq!(c.iter().map(|(_, n)| n).sum::<u64>(), 100, "{v}");
+
+    hold.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    let after: serde_json::Value = serde_json::from_str(&line).unwrap();
+    eprintln!("held connections after the update: {after}");
+    let _ = hold.wait();
+    let names = after["names"].as_array().unwrap();
+    let again = after["after"].as_array().unwrap();
+    for (n, a) in names.iter().zip(again) {
+        if n != "be2" {
+            assert_eq!(n, a, "an established connection to {n} broke: {after}");
+        }
+    }
+}
+
+#[test]
+fn removed_backend_gets_no_new_connections_socket_lb() {
+    let _g = serial();
+    backend_removal(true);
+}
+
+#[test]
+fn removed_backend_gets_no_new_connections_tc_lb() {
+    let _g = serial();
+    backend_removal(false);
+}
+
+#[test]
+fn zero_backends_refuse_at_once() {
+    let _g = serial();
+    let lab = Lab::new(3).expect("lab");
+    let agent = Agent::start(
+        &lab,
+        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        &[("svc.yaml", service_yaml("web", VIP, PORT, &["TCP"])), ("eps.yaml", slice_yaml("web", &[], &["TCP"]))],
+    )
+    .unwrap();
+    agent.wait_backends(&format!("{}/tcp", vip()), 0).unwrap();
+    for socket_lb in [true, false] {
+        let v = lab.client_json(socket_lb, &["connect", "--to", &vip(), "--timeout-ms", "3000"]).unwrap();
+        eprintln!("zero backends, socket_lb={socket_lb}: {v}");
+        assert_eq!(v["outcome"], "ConnectionRefused", "{v}");
+        let ms = v["elapsed_ms"].as_f64().unwrap();
+        assert!(ms < 100.0, "refusal took {ms} ms: {v}");
+    }
+}
