@@ -43,6 +43,9 @@ enum Cmd {
         count: u32,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+        /// A new socket (new source port, so a new conntrack flow) per datagram.
+        #[arg(long)]
+        fresh_socket: bool,
     },
     /// Connect, then report getpeername() and the answering backend (TCP, or connected UDP).
     Peername {
@@ -82,7 +85,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Serve { name, port } => serve(&name, port),
         Cmd::Tcp { to, count, timeout_ms } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms)),
-        Cmd::Udp { to, count, timeout_ms } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms)),
+        Cmd::Udp { to, count, timeout_ms, fresh_socket } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket),
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms } => connect(to, Duration::from_millis(timeout_ms)),
         Cmd::Bulk { to, bytes, pace_ms } => bulk(to, bytes.min(1 << 30), pace_ms),
@@ -174,14 +177,18 @@ fn tcp(to: SocketAddr, count: u32, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-fn udp(to: SocketAddr, count: u32, timeout: Duration) -> Result<()> {
-    let s = UdpSocket::bind("0.0.0.0:0")?;
+fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool) -> Result<()> {
+    let mut s = UdpSocket::bind("0.0.0.0:0")?;
     s.set_read_timeout(Some(timeout))?;
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut sources: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
     let mut buf = [0u8; 2048];
     for _ in 0..count {
+        if fresh {
+            s = UdpSocket::bind("0.0.0.0:0")?;
+            s.set_read_timeout(Some(timeout))?;
+        }
         if let Err(e) = s.send_to(b"HELLO", to) {
             *errors.entry(err_kind(&e)).or_default() += 1;
             continue;
