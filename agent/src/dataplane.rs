@@ -8,12 +8,15 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::{
     maps::{HashMap as BpfHashMap, Map, MapData, MapError as AyaMapError, PerCpuArray},
-    programs::{CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType},
+    programs::{CgroupSockAddr, SchedClassifier, TcAttachType},
     Ebpf, EbpfLoader,
 };
 use gardenet_common::*;
 
-use crate::lbmap::{LbMaps, MapDump, MapError};
+use crate::{
+    lbmap::{LbMaps, MapDump, MapError},
+    pinned_link::{self, AttachType, Attached, Target},
+};
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at compile time.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gardenet.bpf.o"));
@@ -43,7 +46,19 @@ impl Default for MapSizes {
 pub struct Dataplane {
     ebpf: Ebpf,
     pin_dir: PathBuf,
-    tc_interfaces: Vec<String>,
+    links: Vec<LinkRecord>,
+}
+
+/// One attachment this agent made or took over.
+pub struct LinkRecord {
+    /// e.g. `cgroup/connect4`, `tc/ingress`.
+    pub hook: String,
+    /// Cgroup path or interface name.
+    pub target: String,
+    pub how: Attached,
+    /// Pin path; `None` for legacy (non-link) tc attachments.
+    pub pin: Option<PathBuf>,
+    _fd: Option<std::os::fd::OwnedFd>,
 }
 
 /// Makes sure `dir` sits on a bpffs, mounting one at the parent `/sys/fs/bpf` style mount
@@ -103,22 +118,69 @@ impl Dataplane {
             let p: &mut SchedClassifier = prog_mut(&mut ebpf, name)?;
             p.load().with_context(|| format!("verifier rejected {name}"))?;
         }
-        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), tc_interfaces: Vec::new() })
+        fs::create_dir_all(pin_dir.join("links"))?;
+        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), links: Vec::new() })
     }
 
     pub fn pin_dir(&self) -> &Path {
         &self.pin_dir
     }
 
+    pub fn links(&self) -> &[LinkRecord] {
+        &self.links
+    }
+
+    fn attach_link(&mut self, prog: &str, target_raw: u32, want: Target, ty: AttachType, hook: &str, target: &str) -> Result<()> {
+        use std::os::fd::AsFd;
+        let pin = self.pin_dir.join("links").join(format!("{}-{}", hook.replace('/', "-"), target.replace('/', "_")));
+        let fd = self.ebpf.program(prog).with_context(|| format!("program {prog} missing"))?.fd()?.as_fd().try_clone_to_owned()?;
+        let (link, how) = pinned_link::attach_pinned(fd.as_fd(), target_raw, want, ty, &pin)
+            .with_context(|| format!("attaching {prog} ({hook}) to {target}"))?;
+        self.links.retain(|l| l.pin.as_ref() != Some(&pin));
+        self.links.push(LinkRecord { hook: hook.into(), target: target.into(), how, pin: Some(pin), _fd: Some(link) });
+        Ok(())
+    }
+
+    /// Removes every pinned link this agent holds: the hooks are detached when the process
+    /// exits (`--detach-on-exit`). Without it, pinned links keep traffic flowing while the
+    /// agent is down (e.g. during an upgrade).
+    pub fn unpin_links(&mut self) {
+        for l in &self.links {
+            if let Some(p) = &l.pin {
+                let _ = fs::remove_file(p);
+            }
+        }
+    }
+
+    /// Detaches TC LB from `iface` (removes its pins; the links go with our fds).
+    pub fn detach_tc(&mut self, iface: &str) {
+        self.links.retain(|l| {
+            let mine = l.hook.starts_with("tc/") && l.target == iface;
+            if mine {
+                if let Some(p) = &l.pin {
+                    let _ = fs::remove_file(p);
+                }
+            }
+            !mine
+        });
+    }
+
     /// Attaches the socket-LB hooks to a cgroup2 directory. These are bpf_links, which never
     /// displace other programs on the cgroup (the kernel rejects attach flags for links, so
     /// the mode must be the zero-flag `Single`).
     pub fn attach_socket_lb(&mut self, cgroup: &Path) -> Result<()> {
+        use std::os::fd::AsRawFd;
         let f = fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
-        for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4] {
-            let p: &mut CgroupSockAddr = prog_mut(&mut self.ebpf, name)?;
-            p.attach(&f, CgroupAttachMode::Single)
-                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        let id = pinned_link::cgroup_id(cgroup)?;
+        let target = cgroup.display().to_string();
+        for (name, ty, hook) in [
+            (PROG_CONNECT4, AttachType::Connect4, "cgroup/connect4"),
+            (PROG_SENDMSG4, AttachType::Sendmsg4, "cgroup/sendmsg4"),
+            (PROG_RECVMSG4, AttachType::Recvmsg4, "cgroup/recvmsg4"),
+            (PROG_GETPEERNAME4, AttachType::Getpeername4, "cgroup/getpeername4"),
+        ] {
+            self.attach_link(name, f.as_raw_fd() as u32, Target::Cgroup { id }, ty, hook, "cgroup")
+                .with_context(|| format!("cgroup {target}"))?;
         }
         Ok(())
     }
@@ -126,20 +188,29 @@ impl Dataplane {
     /// Attaches TC LB (ingress DNAT + egress reverse NAT) to `iface`: tcx on kernels that have
     /// it, a clsact qdisc and cls_bpf otherwise (aya picks).
     pub fn attach_tc(&mut self, iface: &str) -> Result<()> {
-        if aya::util::KernelVersion::current().map_or(true, |v| v < aya::util::KernelVersion::new(6, 6, 0)) {
-            // Legacy path needs the clsact qdisc; "exists" is fine.
-            let _ = aya::programs::tc::qdisc_add_clsact(iface);
+        let cname = std::ffi::CString::new(iface)?;
+        // SAFETY: valid C string.
+        let ifindex = unsafe { libc::if_nametoindex(cname.as_ptr()) };
+        if ifindex == 0 {
+            bail!("interface {iface}: {}", std::io::Error::last_os_error());
         }
-        for (name, ty) in [(PROG_TC_INGRESS, TcAttachType::Ingress), (PROG_TC_EGRESS, TcAttachType::Egress)] {
+        if has_tcx() {
+            for (name, ty, hook) in [
+                (PROG_TC_INGRESS, AttachType::TcxIngress, "tc/ingress"),
+                (PROG_TC_EGRESS, AttachType::TcxEgress, "tc/egress"),
+            ] {
+                self.attach_link(name, ifindex, Target::Ifindex(ifindex), ty, hook, iface)?;
+            }
+            return Ok(());
+        }
+        // Kernels before 6.6: clsact + cls_bpf through netlink ("exists" is fine).
+        let _ = aya::programs::tc::qdisc_add_clsact(iface);
+        for (name, ty, hook) in [(PROG_TC_INGRESS, TcAttachType::Ingress, "tc/ingress"), (PROG_TC_EGRESS, TcAttachType::Egress, "tc/egress")] {
             let p: &mut SchedClassifier = prog_mut(&mut self.ebpf, name)?;
             p.attach(iface, ty).with_context(|| format!("attaching {name} to {iface}"))?;
+            self.links.push(LinkRecord { hook: hook.into(), target: iface.into(), how: Attached::Created, pin: None, _fd: None });
         }
-        self.tc_interfaces.push(iface.to_owned());
         Ok(())
-    }
-
-    pub fn tc_interfaces(&self) -> &[String] {
-        &self.tc_interfaces
     }
 
     /// Typed handles on the service and backend maps, for the map writer.
@@ -159,6 +230,11 @@ impl Dataplane {
         }
         Ok(out)
     }
+}
+
+/// tcx (bpf_link based TC attachment) exists from Linux 6.6.
+pub fn has_tcx() -> bool {
+    aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
 }
 
 fn prog_mut<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T>

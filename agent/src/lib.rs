@@ -2,8 +2,13 @@
 pub mod dataplane;
 pub mod gardener;
 pub mod lbmap;
+pub mod links;
 pub mod model;
+pub mod pinned_link;
 pub mod pipeline;
 pub mod run;
 pub mod source;
 pub mod translate;
+pub mod health;
+pub mod metrics;
+pub mod status;

@@ -55,6 +55,10 @@ pub struct RunArgs {
     /// Start from empty maps instead of adopting the pinned state of a previous run.
     #[arg(long)]
     pub reset: bool,
+    /// Detach every program on exit. Off by default: pinned links keep Services working
+    /// while the agent is down (e.g. during an upgrade).
+    #[arg(long)]
+    pub detach_on_exit: bool,
     /// Kubeconfig for `--source kube` (default: in-cluster, then KUBECONFIG).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -100,11 +104,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
             None => cgroup2_root()?,
         };
         dp.attach_socket_lb(&cg)?;
-        tracing::info!("socket LB attached to cgroup {}", cg.display());
+        tracing::info!("socket LB attached to cgroup {} ({:?})", cg.display(), dp.links().last().map(|l| l.how));
     }
     for iface in &args.tc_interfaces {
         dp.attach_tc(iface)?;
-        tracing::info!("TC LB attached to {iface}");
+        tracing::info!("TC LB attached to {iface} ({:?})", dp.links().last().map(|l| l.how));
     }
     let maps = dp.lb_maps()?;
     let lb = if args.reset { LbState::new() } else { LbState::adopt(&maps.dump()) };
@@ -160,7 +164,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Ok(stats) = dp.stats() {
         tracing::info!("datapath counters: {}", stats.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
     }
-    // Links are owned by this process and detach with it; maps stay pinned for the next run.
+    if args.detach_on_exit {
+        dp.unpin_links();
+        tracing::info!("detached all programs (--detach-on-exit)");
+    }
+    // Maps (and, without --detach-on-exit, links) stay pinned for the next run.
     Ok(())
 }
 

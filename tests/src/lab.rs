@@ -164,6 +164,9 @@ pub struct AgentOpts {
     pub socket_lb: bool,
     /// Attach TC LB to the node's client-facing interface.
     pub tc: bool,
+    /// Leave the pinned links in place when the agent stops (as in an upgrade); by default the
+    /// agent runs with `--detach-on-exit`.
+    pub keep_links: bool,
     pub extra: Vec<String>,
 }
 
@@ -213,6 +216,9 @@ impl Agent {
         }
         if self.opts.tc {
             cmd.arg("--tc-interface=nc0");
+        }
+        if !self.opts.keep_links {
+            cmd.arg("--detach-on-exit");
         }
         cmd.args(&self.opts.extra).env("RUST_LOG", "info").env("NO_COLOR", "1").stderr(Stdio::piped()).stdout(Stdio::null());
         let mut p = Proc::spawn(cmd, "gardenet-agent")?;

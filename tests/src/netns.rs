@@ -247,3 +247,45 @@ pub fn sibling_binary(name: &str) -> Result<PathBuf> {
     }
     bail!("{name} not found next to {} (build it: cargo build -p gardenet-agent -p gardenet-tests --bins)", exe.display())
 }
+
+impl Netns {
+    /// Runs `f` on a thread that has entered this namespace (netlink sockets, ifindex
+    /// lookups and BPF_PROG_QUERY on interfaces then refer to it).
+    pub fn run_in<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
+        let fd: OwnedFd = fs::File::open(self.path())?.into();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                // SAFETY: setns on this (scoped, short-lived) thread only.
+                if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return Err(anyhow::anyhow!("setns: {}", std::io::Error::last_os_error()));
+                }
+                Ok(f())
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("thread in {} panicked", self.name))?
+        })
+    }
+
+    /// Names of the programs attached to `iface` at a tcx hook (kernel's view).
+    pub fn tcx_programs(&self, iface: &str, ty: gardenet_agent::pinned_link::AttachType) -> Result<Vec<String>> {
+        let iface = CString::new(iface)?;
+        self.run_in(move || -> Result<Vec<String>> {
+            // SAFETY: valid C string.
+            let idx = unsafe { libc::if_nametoindex(iface.as_ptr()) };
+            if idx == 0 {
+                bail!("no such interface");
+            }
+            let ids = gardenet_agent::pinned_link::prog_query(idx, ty)?;
+            Ok(ids.into_iter().map(|id| gardenet_agent::pinned_link::prog_name(id).unwrap_or_default()).collect())
+        })?
+    }
+}
+
+impl TestCgroup {
+    /// Names of the programs attached to this cgroup at a hook (kernel's view).
+    pub fn programs(&self, ty: gardenet_agent::pinned_link::AttachType) -> Result<Vec<String>> {
+        let f = fs::File::open(&self.path)?;
+        let ids = gardenet_agent::pinned_link::prog_query(f.as_raw_fd() as u32, ty)?;
+        Ok(ids.into_iter().map(|id| gardenet_agent::pinned_link::prog_name(id).unwrap_or_default()).collect())
+    }
+}
