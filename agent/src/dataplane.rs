@@ -30,6 +30,8 @@ pub struct MapSizes {
     pub backends: u32,
     pub sock_revnat: u32,
     pub conntrack: u32,
+    /// Affinity entries (clients x frontends) and affinity match entries.
+    pub affinity: u32,
 }
 
 impl Default for MapSizes {
@@ -39,6 +41,7 @@ impl Default for MapSizes {
             backends: DEFAULT_BACKENDS_MAX,
             sock_revnat: DEFAULT_SOCK_REVNAT_MAX,
             conntrack: DEFAULT_CT_MAX,
+            affinity: DEFAULT_AFFINITY_MAX,
         }
     }
 }
@@ -108,6 +111,8 @@ impl Dataplane {
             .map_max_entries(MAP_BACKENDS, sizes.backends)
             .map_max_entries(MAP_SOCK_REVNAT, sizes.sock_revnat)
             .map_max_entries(MAP_CT, sizes.conntrack)
+            .map_max_entries(MAP_AFFINITY, sizes.affinity)
+            .map_max_entries(MAP_AFFINITY_MATCH, sizes.affinity)
             .load(EBPF_OBJECT)
             .context("loading the eBPF object (maps pinned with other sizes? start with --reset)")?;
         for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4] {
@@ -217,7 +222,12 @@ impl Dataplane {
     pub fn lb_maps(&mut self) -> Result<AyaLbMaps> {
         let services = self.ebpf.take_map(MAP_SERVICES).context("no services map")?;
         let backends = self.ebpf.take_map(MAP_BACKENDS).context("no backends map")?;
-        Ok(AyaLbMaps { services: BpfHashMap::try_from(services)?, backends: BpfHashMap::try_from(backends)? })
+        let matches = self.ebpf.take_map(MAP_AFFINITY_MATCH).context("no affinity match map")?;
+        Ok(AyaLbMaps {
+            services: BpfHashMap::try_from(services)?,
+            backends: BpfHashMap::try_from(backends)?,
+            matches: BpfHashMap::try_from(matches)?,
+        })
     }
 
     /// Per-CPU datapath counters, summed.
@@ -249,6 +259,7 @@ where
 pub struct AyaLbMaps {
     services: BpfHashMap<MapData, ServiceKey4, ServiceValue4>,
     backends: BpfHashMap<MapData, u32, Backend4>,
+    matches: BpfHashMap<MapData, AffinityMatchKey4, u8>,
 }
 
 impl AyaLbMaps {
@@ -285,6 +296,12 @@ impl LbMaps for AyaLbMaps {
     }
     fn del_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
         ignore_missing(self.services.remove(key)).map_err(|e| map_err(MAP_SERVICES_NAME, format!("delete {key:?}"), e))
+    }
+    fn put_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError> {
+        self.matches.insert(key, 1, 0).map_err(|e| map_err(MAP_AFFINITY_MATCH, format!("put {key:?}"), e))
+    }
+    fn del_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError> {
+        ignore_missing(self.matches.remove(key)).map_err(|e| map_err(MAP_AFFINITY_MATCH, format!("delete {key:?}"), e))
     }
 }
 

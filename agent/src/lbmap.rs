@@ -10,7 +10,7 @@
 //! in-memory map that checks that invariant after every single write.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use gardenet_common::{Backend4, ServiceKey4, ServiceValue4, SVC_FLAG_NONE};
+use gardenet_common::{AffinityMatchKey4, Backend4, ServiceKey4, ServiceValue4, SVC_FLAG_NONE};
 
 use crate::model::{Backend, Frontend, FrontendSpec, Proto};
 
@@ -31,6 +31,13 @@ pub trait LbMaps {
     fn del_backend(&mut self, id: u32) -> Result<(), MapError>;
     fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue4) -> Result<(), MapError>;
     fn del_service(&mut self, key: &ServiceKey4) -> Result<(), MapError>;
+    /// Affinity match entries: "backend belongs to frontend" (only for frontends with affinity).
+    fn put_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError>;
+    fn del_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError>;
+}
+
+pub fn match_key(fe: &ServiceKey4, backend_id: u32) -> AffinityMatchKey4 {
+    AffinityMatchKey4 { backend_id, addr: fe.addr, port: fe.port, proto: fe.proto, _pad: 0 }
 }
 
 /// Counts of map writes done by one operation (for metrics and the O(change) target).
@@ -274,6 +281,22 @@ impl LbState {
             written.push(slot);
         }
 
+        // 2b. Affinity: new members become eligible before the master publishes them.
+        let old_matched: BTreeSet<u32> = match &old {
+            Some(o) if o.affinity_timeout > 0 => o.slots.iter().copied().collect(),
+            _ => BTreeSet::new(),
+        };
+        if spec.affinity_timeout > 0 {
+            for id in new_slots.iter().filter(|id| !old_matched.contains(id)) {
+                if let Err(e) = maps.put_match(&match_key(&key, *id)) {
+                    self.rollback_slots(maps, &key, &old_slots, &written);
+                    self.forget_created(maps, created);
+                    return Err(e);
+                }
+                w.puts += 1;
+            }
+        }
+
         // 3. Publish.
         let master = ServiceValue4 {
             backend_id: 0,
@@ -288,8 +311,16 @@ impl LbState {
         }
         w.puts += 1;
 
-        // 4. Retire: surplus slots, then backends nobody references any more. Failures here
-        //    leave unreachable garbage, never a dangling reference; log and carry on.
+        // 4. Retire: affinity matches of members that left, surplus slots, then backends nobody
+        //    references any more. Failures here leave unreachable garbage, never a dangling
+        //    reference; log and carry on.
+        let keep: BTreeSet<u32> = if spec.affinity_timeout > 0 { new_slots.iter().copied().collect() } else { BTreeSet::new() };
+        for id in old_matched.difference(&keep) {
+            match maps.del_match(&match_key(&key, *id)) {
+                Ok(()) => w.deletes += 1,
+                Err(e) => tracing::warn!("{fe}: deleting affinity match {id}: {e}"),
+            }
+        }
         for slot in new_slots.len() + 1..=old_slots.len() {
             match maps.del_service(&key.with_slot(slot as u16)) {
                 Ok(()) => w.deletes += 1,
@@ -314,6 +345,14 @@ impl LbState {
         maps.del_service(&key)?;
         w.deletes += 1;
         self.frontends.remove(fe);
+        if old.affinity_timeout > 0 {
+            for id in &old.slots {
+                match maps.del_match(&match_key(&key, *id)) {
+                    Ok(()) => w.deletes += 1,
+                    Err(e) => tracing::warn!("{fe}: deleting affinity match {id}: {e}"),
+                }
+            }
+        }
         for slot in 1..=old.slots.len() {
             match maps.del_service(&key.with_slot(slot as u16)) {
                 Ok(()) => w.deletes += 1,
@@ -407,6 +446,7 @@ pub fn plan_slots(old: &[u32], wanted: &[u32]) -> Vec<u32> {
 pub struct MemMaps {
     pub services: HashMap<ServiceKey4, ServiceValue4>,
     pub backends: HashMap<u32, Backend4>,
+    pub matches: BTreeSet<(u32, u32, u16, u8)>,
     pub max_services: Option<usize>,
     pub max_backends: Option<usize>,
     pub check_invariant: bool,
@@ -437,6 +477,11 @@ impl MemMaps {
                     }
                     _ => {}
                 }
+            }
+        }
+        for (id, addr, port, proto) in &self.matches {
+            if !self.backends.contains_key(id) {
+                v.push(format!("affinity match for {addr}:{port}/{proto} -> missing backend {id}"));
             }
         }
         v
@@ -475,6 +520,16 @@ impl LbMaps for MemMaps {
     }
     fn del_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
         self.services.remove(key);
+        self.after_write();
+        Ok(())
+    }
+    fn put_match(&mut self, k: &AffinityMatchKey4) -> Result<(), MapError> {
+        self.matches.insert((k.backend_id, k.addr, k.port, k.proto));
+        self.after_write();
+        Ok(())
+    }
+    fn del_match(&mut self, k: &AffinityMatchKey4) -> Result<(), MapError> {
+        self.matches.remove(&(k.backend_id, k.addr, k.port, k.proto));
         self.after_write();
         Ok(())
     }
@@ -634,6 +689,24 @@ mod tests {
         let st = LbState::adopt(&m.dump());
         assert!(!st.contains(&fe(80)));
         assert_eq!(st.backend_count(), 0);
+    }
+
+    #[test]
+    fn affinity_match_entries_follow_membership() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let aff = |bs: &[u8]| FrontendSpec { affinity_timeout: 60, ..spec(bs) };
+        st.upsert(&mut m, &fe(80), &aff(&[1, 2, 3])).unwrap();
+        assert_eq!(m.matches.len(), 3);
+        st.upsert(&mut m, &fe(80), &aff(&[1, 3])).unwrap();
+        let ids: BTreeSet<u32> = m.matches.iter().map(|(id, ..)| *id).collect();
+        let live: BTreeSet<u32> = m.backends.keys().copied().collect();
+        assert_eq!(ids, live, "exactly the current members are eligible for affinity");
+        st.upsert(&mut m, &fe(80), &spec(&[1, 3])).unwrap();
+        assert!(m.matches.is_empty(), "affinity switched off");
+        st.upsert(&mut m, &fe(80), &aff(&[1])).unwrap();
+        st.delete(&mut m, &fe(80)).unwrap();
+        assert!(m.matches.is_empty() && m.backends.is_empty());
     }
 
     #[test]

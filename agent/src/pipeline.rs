@@ -47,6 +47,7 @@ pub struct Pipeline<M: LbMaps> {
     synced: bool,
     pruned: bool,
     resync: Option<(HashSet<String>, HashSet<String>)>,
+    health: HashMap<String, translate::HealthCheck>,
     pub stats: PipelineStats,
 }
 
@@ -71,6 +72,7 @@ impl<M: LbMaps> Pipeline<M> {
             synced: false,
             pruned: false,
             resync: None,
+            health: HashMap::new(),
             stats: PipelineStats::default(),
         }
     }
@@ -85,6 +87,18 @@ impl<M: LbMaps> Pipeline<M> {
 
     pub fn lb(&self) -> &LbState {
         &self.lb
+    }
+
+    /// healthCheckNodePorts to serve, by port (first Service wins a port).
+    pub fn health_checks(&self) -> std::collections::BTreeMap<u16, translate::HealthCheck> {
+        let mut out = std::collections::BTreeMap::new();
+        let mut keys: Vec<&String> = self.health.keys().collect();
+        keys.sort();
+        for k in keys {
+            let h = &self.health[k];
+            out.entry(h.port).or_insert_with(|| h.clone());
+        }
+        out
     }
 
     pub fn handle(&mut self, ev: SourceEvent) {
@@ -211,6 +225,14 @@ impl<M: LbMaps> Pipeline<M> {
         };
         self.stats.problems += t.problems.len() as u64;
         rep.problems.extend(t.problems);
+        match &t.health_check {
+            Some(h) => {
+                self.health.insert(key.into(), h.clone());
+            }
+            None => {
+                self.health.remove(key);
+            }
+        }
         if let Some(why) = &t.skipped {
             tracing::debug!(service = key, "not handled by gardenet: {why}");
         }

@@ -124,7 +124,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             if !d.is_dir() {
                 bail!("--source dir:{}: not a directory", d.display());
             }
-            tokio::spawn(source::dir::run(d, Duration::from_millis(args.poll_ms), tx))
+            tokio::spawn(source::dir::run(d, Duration::from_millis(args.poll_ms), args.node_name.clone(), tx))
         }
         SourceSpec::Kube => {
             let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
@@ -132,6 +132,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
     };
 
+    let mut health_checks = crate::healthcheck::HealthCheckServers::default();
     let mut ready = false;
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
@@ -144,6 +145,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     pipeline.handle(ev);
                 }
                 let rep = pipeline.flush();
+                health_checks.update(pipeline.health_checks());
                 if rep.services > 0 {
                     tracing::debug!(services = rep.services, puts = rep.writes.puts, deletes = rep.writes.deletes, "programmed in {:?}", t0.elapsed());
                 }

@@ -43,7 +43,22 @@ pub struct Translated {
     pub problems: Vec<Problem>,
     /// Deliberately not ours (headless, ExternalName, another proxy's).
     pub skipped: Option<String>,
+    /// `externalTrafficPolicy: Local` with a `healthCheckNodePort`: the agent answers it.
+    pub health_check: Option<HealthCheck>,
 }
+
+/// What the healthCheckNodePort reports (as kube-proxy: 200 with local endpoints, else 503).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub port: u16,
+    pub namespace: String,
+    pub name: String,
+    pub local_endpoints: usize,
+}
+
+/// Annotations that turn on topology-aware routing.
+const TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
+const TOPOLOGY_HINTS_OLD: &str = "service.kubernetes.io/topology-aware-hints";
 
 pub fn service_key(svc: &Service) -> String {
     format!("{}/{}", svc.metadata.namespace.as_deref().unwrap_or("default"), svc.metadata.name.as_deref().unwrap_or(""))
@@ -120,6 +135,13 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
         0
     };
     let node_ports = matches!(spec.type_.as_deref(), Some("NodePort") | Some("LoadBalancer"));
+    let ext_local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let int_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let ann = svc.metadata.annotations.as_ref();
+    let topology = ann
+        .and_then(|a| a.get(TOPOLOGY_MODE).or_else(|| a.get(TOPOLOGY_HINTS_OLD)))
+        .is_some_and(|v| v.eq_ignore_ascii_case("auto"));
+    let mut local_total: BTreeSet<Backend> = BTreeSet::new();
 
     let mut seen: BTreeSet<Frontend> = BTreeSet::new();
     for sp in spec.ports.iter().flatten() {
@@ -135,23 +157,36 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
             problem(&mut out, format!("port {}: {} is out of range 1-65535", port_label(sp), sp.port));
             continue;
         };
-        let backends = endpoints_for(sp, proto, slices, &mut out, &key);
-        let fs = FrontendSpec { backends, affinity_timeout };
-        let mut add = |out: &mut Translated, fe: Frontend| {
+        let cands = endpoints_for(sp, proto, slices, &mut out, &key);
+        let local = pick(cands.iter().filter(|c| c.node.as_deref() == Some(node.name.as_str()) && !node.name.is_empty()));
+        local_total.extend(local.iter().copied());
+        let cluster = match node.zone.as_deref() {
+            // Hints are used only when every endpoint has them and some are for our zone.
+            Some(z) if topology && cands.iter().all(|c| c.zones.is_some()) && cands.iter().any(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))) => {
+                pick(cands.iter().filter(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))))
+            }
+            _ => pick(cands.iter()),
+        };
+        let internal = FrontendSpec { backends: if int_local { local.clone() } else { cluster.clone() }, affinity_timeout };
+        let externl = FrontendSpec { backends: if ext_local { local.clone() } else { cluster }, affinity_timeout };
+        let mut add = |out: &mut Translated, fe: Frontend, fs: &FrontendSpec| {
             if seen.insert(fe) {
                 out.frontends.push((fe, fs.clone()));
             } else {
                 out.problems.push(Problem { service: key.clone(), message: format!("frontend {fe} listed twice") });
             }
         };
-        for vip in vips.iter().chain(external.iter()) {
-            add(&mut out, Frontend { addr: *vip, port, proto });
+        for vip in &vips {
+            add(&mut out, Frontend { addr: *vip, port, proto }, &internal);
+        }
+        for vip in &external {
+            add(&mut out, Frontend { addr: *vip, port, proto }, &externl);
         }
         if node_ports {
             match sp.node_port.map(|p| (p, valid_port(p))) {
                 Some((_, Some(np))) => {
                     for a in &node.addresses {
-                        add(&mut out, Frontend { addr: *a, port: np, proto });
+                        add(&mut out, Frontend { addr: *a, port: np, proto }, &externl);
                     }
                 }
                 Some((p, None)) => problem(&mut out, format!("port {}: nodePort {p} is out of range", port_label(sp))),
@@ -159,7 +194,40 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
             }
         }
     }
+    if ext_local && spec.type_.as_deref() == Some("LoadBalancer") {
+        if let Some(p) = spec.health_check_node_port.and_then(valid_port) {
+            out.health_check = Some(HealthCheck {
+                port: p,
+                namespace: svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+                name: svc.metadata.name.clone().unwrap_or_default(),
+                local_endpoints: local_total.len(),
+            });
+        }
+    }
     out
+}
+
+/// One endpoint address of a Service port, with what the selection rules need.
+struct Candidate {
+    backend: Backend,
+    ready: bool,
+    serving: bool,
+    node: Option<String>,
+    zones: Option<Vec<String>>,
+}
+
+/// Ready endpoints; when none is ready, the serving (terminating) ones, as kube-proxy does.
+fn pick<'a>(cands: impl Iterator<Item = &'a Candidate>) -> Vec<Backend> {
+    let mut ready = BTreeSet::new();
+    let mut serving = BTreeSet::new();
+    for c in cands {
+        if c.ready {
+            ready.insert(c.backend);
+        } else if c.serving {
+            serving.insert(c.backend);
+        }
+    }
+    if ready.is_empty() { serving.into_iter().collect() } else { ready.into_iter().collect() }
 }
 
 fn valid_port(p: i32) -> Option<u16> {
@@ -170,16 +238,15 @@ fn port_label(sp: &ServicePort) -> String {
     sp.name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| sp.port.to_string())
 }
 
-/// Backends for one Service port: ready endpoints of all slices, merged and deduplicated;
-/// when none is ready, the serving ones (terminating included), as kube-proxy does.
-fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out: &mut Translated, key: &str) -> Vec<Backend> {
+/// Endpoint candidates for one Service port from all slices (merged; duplicates are resolved
+/// by `pick`).
+fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out: &mut Translated, key: &str) -> Vec<Candidate> {
     let want_name = sp.name.as_deref().unwrap_or("");
     let proto_s = match proto {
         Proto::Tcp => "TCP",
         Proto::Udp => "UDP",
     };
-    let mut ready = BTreeSet::new();
-    let mut serving = BTreeSet::new();
+    let mut cands = Vec::new();
     for slice in slices {
         if slice.address_type != "IPv4" {
             continue;
@@ -205,16 +272,17 @@ fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out:
                     out.problems.push(Problem { service: key.into(), message: format!("endpoint address {a:?} is not IPv4") });
                     continue;
                 };
-                let b = Backend { addr, port: pn };
-                if is_ready {
-                    ready.insert(b);
-                } else if is_serving {
-                    serving.insert(b);
-                }
+                cands.push(Candidate {
+                    backend: Backend { addr, port: pn },
+                    ready: is_ready,
+                    serving: is_serving,
+                    node: ep.node_name.clone(),
+                    zones: ep.hints.as_ref().and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
+                });
             }
         }
     }
-    if ready.is_empty() { serving.into_iter().collect() } else { ready.into_iter().collect() }
+    cands
 }
 
 #[cfg(test)]
@@ -339,6 +407,78 @@ status:
         let t = translate(&svc(s), &[&slice(SLICE)], &node());
         let fes: Vec<String> = t.frontends.iter().map(|(f, _)| f.to_string()).collect();
         assert_eq!(fes, ["10.96.0.10:80/tcp", "198.51.100.7:80/tcp", "203.0.113.5:80/tcp", "192.0.2.10:30080/tcp"]);
+    }
+
+    const LOCAL_SLICE: &str = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-abc, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: [10.0.0.1], nodeName: n1, hints: {forZones: [{name: z1}]}}
+- {addresses: [10.0.0.2], nodeName: n2, hints: {forZones: [{name: z2}]}}
+- {addresses: [10.0.0.3], nodeName: n1, conditions: {ready: false, serving: true, terminating: true}, hints: {forZones: [{name: z1}]}}
+"#;
+    const LB_SVC: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  ports: [{name: http, port: 80, nodePort: 30080}]
+"#;
+
+    fn backends_of(t: &Translated, fe_s: &str) -> Vec<Backend> {
+        t.frontends.iter().find(|(f, _)| *f == fe(fe_s)).map(|(_, s)| s.backends.clone()).unwrap()
+    }
+
+    #[test]
+    fn external_traffic_policy_local_uses_local_endpoints_for_external_frontends_only() {
+        let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &node());
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080"]));
+        assert_eq!(backends_of(&t, "192.0.2.10:30080/tcp"), bes(&["10.0.0.1:8080"]));
+        assert_eq!(t.health_check, Some(HealthCheck { port: 32000, namespace: "demo".into(), name: "web".into(), local_endpoints: 1 }));
+        // Another node without local endpoints: external frontends have none, health says 0.
+        let other = NodeInfo { name: "n3".into(), ..node() };
+        let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &other);
+        assert!(backends_of(&t, "192.0.2.10:30080/tcp").is_empty());
+        assert_eq!(t.health_check.unwrap().local_endpoints, 0);
+    }
+
+    #[test]
+    fn local_policy_falls_back_to_local_serving_terminating() {
+        let s = LOCAL_SLICE.replace("- {addresses: [10.0.0.1], nodeName: n1, hints: {forZones: [{name: z1}]}}\n", "");
+        let t = translate(&svc(LB_SVC), &[&slice(&s)], &node());
+        assert_eq!(backends_of(&t, "192.0.2.10:30080/tcp"), bes(&["10.0.0.3:8080"]));
+    }
+
+    #[test]
+    fn internal_traffic_policy_local() {
+        let s = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local").replace("  - {name: dns, port: 53, protocol: UDP}\n", "");
+        let t = translate(&svc(&s), &[&slice(LOCAL_SLICE)], &node());
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.1:8080"]));
+    }
+
+    #[test]
+    fn topology_hints_when_asked_and_usable() {
+        let with_zone = NodeInfo { zone: Some("z2".into()), ..node() };
+        let plain = SVC.replace("  - {name: dns, port: 53, protocol: UDP}\n", "");
+        let t = translate(&svc(&plain), &[&slice(LOCAL_SLICE)], &with_zone);
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp").len(), 2, "no annotation: hints ignored");
+        let auto = plain.replace("namespace: demo}", "namespace: demo, annotations: {service.kubernetes.io/topology-mode: Auto}}");
+        let t = translate(&svc(&auto), &[&slice(LOCAL_SLICE)], &with_zone);
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.2:8080"]));
+        // An endpoint without hints disables them for the whole Service.
+        let partial = LOCAL_SLICE.replace(", hints: {forZones: [{name: z2}]}", "");
+        let t = translate(&svc(&auto), &[&slice(&partial)], &with_zone);
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp").len(), 2);
+        // No hint for our zone: all endpoints.
+        let z9 = NodeInfo { zone: Some("z9".into()), ..node() };
+        assert_eq!(backends_of(&translate(&svc(&auto), &[&slice(LOCAL_SLICE)], &z9), "10.96.0.10:80/tcp").len(), 2);
     }
 
     #[test]

@@ -16,12 +16,21 @@ pub const MAP_BACKENDS: &str = "GN_BE4";
 pub const MAP_SOCK_REVNAT: &str = "GN_SK_RNAT4";
 pub const MAP_CT: &str = "GN_CT4";
 pub const MAP_STATS: &str = "GN_STATS";
+pub const MAP_AFFINITY: &str = "GN_AFF4";
+pub const MAP_AFFINITY_MATCH: &str = "GN_AFFMATCH4";
 
 /// Default map sizes; the agent can override them at load time.
 pub const DEFAULT_SERVICES_MAX: u32 = 262_144;
 pub const DEFAULT_BACKENDS_MAX: u32 = 131_072;
 pub const DEFAULT_SOCK_REVNAT_MAX: u32 = 262_144;
 pub const DEFAULT_CT_MAX: u32 = 262_144;
+pub const DEFAULT_AFFINITY_MAX: u32 = 131_072;
+pub const DEFAULT_AFFINITY_MATCH_MAX: u32 = 131_072;
+
+/// Affinity client kinds: socket LB identifies a client by its network namespace cookie (one
+/// per pod), TC LB by its source address.
+pub const AFF_CLIENT_NETNS: u8 = 0;
+pub const AFF_CLIENT_ADDR: u8 = 1;
 
 /// Program names as they appear in the object file.
 pub const PROG_CONNECT4: &str = "gn_connect4";
@@ -57,8 +66,9 @@ pub enum Stat {
     TcNoBackendDrop = 6,
     TcCtCreated = 7,
     TcMissingBackend = 8,
+    AffinityHit = 9,
 }
-pub const STATS_LEN: u32 = 9;
+pub const STATS_LEN: u32 = 10;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -69,6 +79,7 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_no_backend_drop",
     "tc_ct_created",
     "tc_missing_backend",
+    "affinity_hit",
 ];
 
 /// Key of `GN_SVC4`.
@@ -155,6 +166,40 @@ pub struct CtValue4 {
     pub last_seen_ns: u64,
 }
 
+/// Key of `GN_AFF4` (LRU): which backend a client was last sent to for a frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey4 {
+    /// Netns cookie (`AFF_CLIENT_NETNS`) or IPv4 address in network order (`AFF_CLIENT_ADDR`).
+    pub client: u64,
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub kind: u8,
+}
+
+/// Value of `GN_AFF4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AffinityValue4 {
+    pub backend_id: u32,
+    pub _pad: u32,
+    pub last_used_ns: u64,
+}
+
+/// Key of `GN_AFFMATCH4` (value `u8`, always 1): backend `backend_id` currently belongs to
+/// the frontend. Written by userspace for frontends with affinity, so a remembered backend
+/// that left the Service is never chosen again.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityMatchKey4 {
+    pub backend_id: u32,
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
 // No padding holes: the kernel compares keys bytewise, so an uninitialised hole would make
 // equal keys miss each other.
 const _: () = {
@@ -165,6 +210,9 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNatValue4>() == 8);
     assert!(core::mem::size_of::<CtKey4>() == 16);
     assert!(core::mem::size_of::<CtValue4>() == 16);
+    assert!(core::mem::size_of::<AffinityKey4>() == 16);
+    assert!(core::mem::size_of::<AffinityValue4>() == 16);
+    assert!(core::mem::size_of::<AffinityMatchKey4>() == 12);
 };
 
 #[cfg(feature = "user")]
@@ -178,6 +226,9 @@ mod pod {
     unsafe impl aya::Pod for SockRevNatValue4 {}
     unsafe impl aya::Pod for CtKey4 {}
     unsafe impl aya::Pod for CtValue4 {}
+    unsafe impl aya::Pod for AffinityKey4 {}
+    unsafe impl aya::Pod for AffinityValue4 {}
+    unsafe impl aya::Pod for AffinityMatchKey4 {}
 }
 
 impl ServiceKey4 {

@@ -28,6 +28,12 @@ static GN_SK_RNAT4: LruHashMap<SockRevNatKey4, SockRevNatValue4> =
 static GN_CT4: LruHashMap<CtKey4, CtValue4> = LruHashMap::pinned(DEFAULT_CT_MAX, 0);
 
 #[map]
+static GN_AFF4: LruHashMap<AffinityKey4, AffinityValue4> = LruHashMap::pinned(DEFAULT_AFFINITY_MAX, 0);
+
+#[map]
+static GN_AFFMATCH4: HashMap<AffinityMatchKey4, u8> = HashMap::pinned(DEFAULT_AFFINITY_MATCH_MAX, 0);
+
+#[map]
 static GN_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_LEN, 0);
 
 #[inline(always)]
@@ -51,6 +57,33 @@ fn select_backend(key: &ServiceKey4, master: &ServiceValue4) -> Option<(u32, Bac
     let sv = unsafe { GN_SVC4.get(&key.with_slot(slot)) }?;
     let be = unsafe { GN_BE4.get(&sv.backend_id) }?;
     Some((sv.backend_id, *be))
+}
+
+/// Backend selection honouring ClientIP affinity: a client that used a backend of this
+/// frontend within the timeout gets it again, as long as the backend still belongs to the
+/// frontend (the match map) and exists.
+#[inline(always)]
+fn select_backend_affine(key: &ServiceKey4, master: &ServiceValue4, client: u64, kind: u8) -> Option<(u32, Backend4)> {
+    if master.affinity_timeout == 0 {
+        return select_backend(key, master);
+    }
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    let akey = AffinityKey4 { client, addr: key.addr, port: key.port, proto: key.proto, kind };
+    if let Some(a) = GN_AFF4.get_ptr_mut(&akey) {
+        let a = unsafe { &mut *a };
+        let fresh = now.wrapping_sub(a.last_used_ns) <= master.affinity_timeout as u64 * 1_000_000_000;
+        let mkey = AffinityMatchKey4 { backend_id: a.backend_id, addr: key.addr, port: key.port, proto: key.proto, _pad: 0 };
+        if fresh && unsafe { GN_AFFMATCH4.get(&mkey) }.is_some() {
+            if let Some(be) = unsafe { GN_BE4.get(&a.backend_id) } {
+                a.last_used_ns = now;
+                stat(Stat::AffinityHit);
+                return Some((a.backend_id, *be));
+            }
+        }
+    }
+    let (id, be) = select_backend(key, master)?;
+    let _ = GN_AFF4.insert(&akey, &AffinityValue4 { backend_id: id, _pad: 0, last_used_ns: now }, 0);
+    Some((id, be))
 }
 
 #[cfg(not(test))]

@@ -2,14 +2,14 @@
 //! carries the VIP and no per-packet NAT is needed.
 
 use aya_ebpf::{
-    helpers::generated::{bpf_get_socket_cookie, bpf_set_retval},
+    helpers::generated::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext,
 };
 use gardenet_common::*;
 
-use crate::{select_backend, stat, GN_SK_RNAT4, GN_SVC4};
+use crate::{select_backend_affine, stat, GN_SK_RNAT4, GN_SVC4};
 
 /// sock_addr programs return 1 to let the call proceed, 0 to fail it.
 const ALLOW: i32 = 1;
@@ -52,7 +52,9 @@ fn xlate_fwd(ctx: &SockAddrContext) -> i32 {
     let Some(master) = (unsafe { GN_SVC4.get(&key) }) else {
         return ALLOW;
     };
-    let Some((_, be)) = select_backend(&key, master) else {
+    // Session affinity per pod: the network namespace cookie identifies the client.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some((_, be)) = select_backend_affine(&key, master, netns, AFF_CLIENT_NETNS) else {
         stat(Stat::SockNoBackend);
         // Fail fast with the error an application expects from a closed port, instead of
         // letting the SYN go to a VIP that nothing answers (a silent timeout).

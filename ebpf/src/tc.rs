@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{select_backend, stat, GN_CT4, GN_SVC4};
+use crate::{select_backend_affine, stat, GN_CT4, GN_SVC4};
 
 /// "Not ours, carry on": lets later tcx programs / tc filters run (TCX_NEXT / TC_ACT_UNSPEC).
 const PASS: i32 = -1;
@@ -138,7 +138,7 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     }
     let skey = ServiceKey4::master(f.daddr, f.dport, f.proto);
     let master = unsafe { GN_SVC4.get(&skey) }?;
-    let Some((_, be)) = select_backend(&skey, master) else {
+    let Some((_, be)) = select_backend_affine(&skey, master, f.saddr as u64, AFF_CLIENT_ADDR) else {
         if master.count == 0 {
             return Some(reject(ctx, f));
         }

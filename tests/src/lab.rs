@@ -5,6 +5,8 @@
 //!  client ns                 node ns                         backend ns (xN)
 //!  c0 198.18.0.2/24 ── veth ── nc0 198.18.0.1/24
 //!                             br0 198.18.1.1/24 ── veth ── e0 198.18.1.(10+i)/24
+//!  node2 ns (another node)
+//!  n0 198.18.2.2/24 ── veth ── nn0 198.18.2.1/24 (the node's address for NodePorts)
 //! ```
 //! The client routes 198.18.1.0/24 (pods) and 198.19.0.0/16 (service VIPs) via the node;
 //! backends route the client subnet via the node. No namespace has a default route.
@@ -24,6 +26,10 @@ pub const CLIENT_IP: &str = "198.18.0.2";
 pub const NODE_IP: &str = "198.18.0.1";
 pub const NODE_POD_GW: &str = "198.18.1.1";
 pub const SERVER_PORT: u16 = 8080;
+pub const NODE_NAME: &str = "lab-node";
+/// The node's address towards node2, published in its Node object (NodePorts live here).
+pub const NODE_ADDR: &str = "198.18.2.1";
+pub const NODE2_IP: &str = "198.18.2.2";
 
 pub fn backend_ip(i: usize) -> String {
     format!("198.18.1.{}", 10 + i)
@@ -41,6 +47,8 @@ pub struct Lab {
     pub cgroup: TestCgroup,
     pub client: Netns,
     pub node: Netns,
+    /// A second node that reaches this one's NodePorts over `nn0`.
+    pub node2: Netns,
     pub backends: Vec<Netns>,
     pub netkit: PathBuf,
 }
@@ -52,13 +60,14 @@ impl Lab {
         let tag = unique_tag();
         let client = Netns::new(&format!("{tag}-cli"))?;
         let node = Netns::new(&format!("{tag}-node"))?;
+        let node2 = Netns::new(&format!("{tag}-n2"))?;
         let mut backends = Vec::new();
         for i in 0..n_backends {
             backends.push(Netns::new(&format!("{tag}-be{}", i + 1))?);
         }
         let cgroup = TestCgroup::new(&tag)?;
         let netkit = sibling_binary("gardenet-netkit")?;
-        let lab = Lab { tag, servers: Vec::new(), cgroup, client, node, backends, netkit };
+        let lab = Lab { tag, servers: Vec::new(), cgroup, client, node, node2, backends, netkit };
         lab.wire()?;
         let mut lab = lab;
         for i in 0..n_backends {
@@ -80,6 +89,12 @@ impl Lab {
         n.ip(&["link", "add", "br0", "type", "bridge"])?;
         n.ip(&["addr", "add", &format!("{NODE_POD_GW}/24"), "dev", "br0"])?;
         n.ip(&["link", "set", "br0", "up"])?;
+        let n2 = &self.node2;
+        n.ip(&["link", "add", "nn0", "type", "veth", "peer", "name", "n0", "netns", &n2.name])?;
+        n.ip(&["addr", "add", &format!("{NODE_ADDR}/24"), "dev", "nn0"])?;
+        n.ip(&["link", "set", "nn0", "up"])?;
+        n2.ip(&["addr", "add", &format!("{NODE2_IP}/24"), "dev", "n0"])?;
+        n2.ip(&["link", "set", "n0", "up"])?;
         n.sysctl("net.ipv4.ip_forward", "1")?;
         n.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
         for (i, b) in self.backends.iter().enumerate() {
@@ -89,7 +104,8 @@ impl Lab {
             n.ip(&["link", "set", &nb, "up"])?;
             b.ip(&["addr", "add", &format!("{}/24", backend_ip(i)), "dev", "e0"])?;
             b.ip(&["link", "set", "e0", "up"])?;
-            b.ip(&["route", "add", "198.18.0.0/24", "via", NODE_POD_GW])?;
+            // Client and node2 subnets (the connected pod /24 stays more specific).
+            b.ip(&["route", "add", "198.18.0.0/16", "via", NODE_POD_GW])?;
         }
         Ok(())
     }
@@ -129,7 +145,18 @@ impl Lab {
 
     /// Runs a netkit client to completion and parses its JSON output.
     pub fn client_json(&self, socket_lb: bool, args: &[&str]) -> Result<serde_json::Value> {
-        let out = self.client_cmd(socket_lb, args)?.stderr(Stdio::inherit()).output()?;
+        Self::json_of(self.client_cmd(socket_lb, args)?, args)
+    }
+
+    /// Runs a netkit client on the second node.
+    pub fn node2_json(&self, args: &[&str]) -> Result<serde_json::Value> {
+        let mut cmd = self.node2.command(&self.netkit, None)?;
+        cmd.args(args);
+        Self::json_of(cmd, args)
+    }
+
+    fn json_of(mut cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
+        let out = cmd.stderr(Stdio::inherit()).output()?;
         if !out.status.success() {
             bail!("netkit {args:?} failed: {}", out.status);
         }
@@ -148,13 +175,30 @@ pub fn service_yaml(name: &str, vip: &str, port: u16, protos: &[&str]) -> String
 
 /// YAML for an EndpointSlice of `svc` with the given backend indexes (ready) and protocols.
 pub fn slice_yaml(svc: &str, backends: &[usize], protos: &[&str]) -> String {
+    let on: Vec<(usize, &str)> = backends.iter().map(|i| (*i, "")).collect();
+    slice_yaml_on(svc, &on, protos)
+}
+
+/// Like `slice_yaml`, with the node each backend runs on ("" for none).
+pub fn slice_yaml_on(svc: &str, backends: &[(usize, &str)], protos: &[&str]) -> String {
     let ports: Vec<String> = protos.iter().map(|p| format!("  - {{name: p-{}, port: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase())).collect();
-    let eps: Vec<String> = backends.iter().map(|i| format!("  - addresses: [{}]\n    conditions: {{ready: true}}", backend_ip(*i))).collect();
+    let eps: Vec<String> = backends
+        .iter()
+        .map(|(i, node)| {
+            let n = if node.is_empty() { String::new() } else { format!("\n    nodeName: {node}") };
+            format!("  - addresses: [{}]\n    conditions: {{ready: true}}{n}", backend_ip(*i))
+        })
+        .collect();
     let eps = if eps.is_empty() { "endpoints: []".to_string() } else { format!("endpoints:\n{}", eps.join("\n")) };
     format!(
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-1, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: IPv4\nports:\n{}\n{eps}\n",
         ports.join("\n")
     )
+}
+
+/// YAML for this lab's Node object: its NodePort address.
+pub fn node_yaml() -> String {
+    format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}]\n")
 }
 
 /// Options for the agent under test.
@@ -205,7 +249,7 @@ impl Agent {
         cmd.arg("run")
             .arg(format!("--source=dir:{}", self.dir.display()))
             .arg(format!("--bpffs={}", self.bpffs.display()))
-            .args(["--node-name", "lab-node", "--poll-ms", "100"]);
+            .args(["--node-name", NODE_NAME, "--poll-ms", "100"]);
         if reset {
             cmd.arg("--reset");
         }
@@ -215,7 +259,7 @@ impl Agent {
             cmd.arg("--no-socket-lb");
         }
         if self.opts.tc {
-            cmd.arg("--tc-interface=nc0");
+            cmd.arg("--tc-interface=nc0,nn0");
         }
         if !self.opts.keep_links {
             cmd.arg("--detach-on-exit");

@@ -7,7 +7,7 @@ use std::{
 };
 
 use gardenet_agent::pinned_link::AttachType;
-use gardenet_tests::lab::{counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab};
+use gardenet_tests::lab::{counts, node_yaml, service_yaml, slice_yaml, slice_yaml_on, Agent, AgentOpts, Lab, NODE_ADDR, NODE_NAME};
 
 static LOCK: Mutex<()> = Mutex::new(());
 fn serial() -> MutexGuard<'static, ()> {
@@ -79,4 +79,114 @@ fn detach_on_exit_leaves_nothing_attached() {
     agent.stop();
     assert!(lab.node.tcx_programs("nc0", AttachType::TcxIngress).unwrap().is_empty());
     assert!(lab.cgroup.programs(AttachType::Connect4).unwrap().is_empty());
+}
+
+fn nodeport_svc(policy: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: np, namespace: lab}}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.20\n  externalTrafficPolicy: {policy}\n  healthCheckNodePort: 32000\n  ports:\n  - {{name: p-tcp, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n"
+    )
+}
+
+fn total(v: &serde_json::Value) -> u64 {
+    counts(v).iter().map(|(_, n)| n).sum()
+}
+
+#[test]
+fn node_port_from_a_second_node_and_from_local_clients() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    let agent = Agent::start(
+        &lab,
+        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        &[("node.yaml", node_yaml()), ("svc.yaml", nodeport_svc("Cluster")), ("eps.yaml", slice_yaml("np", &[0, 1, 2], &["TCP"]))],
+    )
+    .unwrap();
+    let np = format!("{NODE_ADDR}:30080");
+    agent.wait_backends(&format!("{np}/tcp"), 3).unwrap();
+    // From another node: TC LB on the node's interface towards it.
+    let v = lab.node2_json(&["tcp", "--to", &np, "--count", "150"]).unwrap();
+    eprintln!("NodePort from node2: {v}");
+    assert_eq!(counts(&v).len(), 3, "{v}");
+    assert_eq!(total(&v), 150, "{v}");
+    // From a local client: socket LB translates the NodePort too.
+    let v = lab.client_json(true, &["tcp", "--to", &np, "--count", "60"]).unwrap();
+    assert_eq!(total(&v), 60, "{v}");
+}
+
+#[test]
+fn external_traffic_policy_local_and_its_health_check() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    let on = [(0, NODE_NAME), (1, "other-node"), (2, "other-node")];
+    let agent = Agent::start(
+        &lab,
+        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        &[("node.yaml", node_yaml()), ("svc.yaml", nodeport_svc("Local")), ("eps.yaml", slice_yaml_on("np", &on, &["TCP"]))],
+    )
+    .unwrap();
+    let np = format!("{NODE_ADDR}:30080");
+    agent.wait_backends(&format!("{np}/tcp"), 1).unwrap();
+    agent.wait_backends("198.19.0.20:80/tcp", 3).unwrap();
+    let v = lab.node2_json(&["tcp", "--to", &np, "--count", "60"]).unwrap();
+    assert_eq!(counts(&v), vec![("be1".to_string(), 60)], "external traffic stays on this node's endpoint: {v}");
+    let v = lab.client_json(true, &["tcp", "--to", "198.19.0.20:80", "--count", "150"]).unwrap();
+    assert_eq!(counts(&v).len(), 3, "the ClusterIP still uses every endpoint: {v}");
+    let hc_to = format!("{NODE_ADDR}:32000");
+    let h = lab.node2_json(&["http-get", "--to", &hc_to, "--path", "/healthz"]).unwrap();
+    eprintln!("health check with a local endpoint: {h}");
+    assert_eq!(h["status"], 200, "{h}");
+    let body: serde_json::Value = serde_json::from_str(h["body"].as_str().unwrap()).unwrap();
+    assert_eq!(body["localEndpoints"], 1, "{h}");
+    assert_eq!(body["service"]["name"], "np", "{h}");
+
+    // The local endpoint goes away: the health check fails and the NodePort refuses.
+    agent.write("eps.yaml", &slice_yaml_on("np", &on[1..], &["TCP"])).unwrap();
+    agent.wait_backends(&format!("{np}/tcp"), 0).unwrap();
+    let mut h = serde_json::Value::Null;
+    for _ in 0..50 {
+        h = lab.node2_json(&["http-get", "--to", &hc_to, "--path", "/healthz"]).unwrap();
+        if h["status"] == 503 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(h["status"], 503, "{h}");
+    let c = lab.node2_json(&["connect", "--to", &np]).unwrap();
+    assert_eq!(c["outcome"], "ConnectionRefused", "{c}");
+}
+
+#[test]
+fn client_ip_affinity_on_both_paths() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    let svc = service_yaml("web", VIP, 80, &["TCP"]).replace(
+        "spec:\n",
+        "spec:\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n",
+    );
+    let agent = Agent::start(
+        &lab,
+        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        &[("svc.yaml", svc), ("eps.yaml", slice_yaml("web", &[0, 1, 2], &["TCP"]))],
+    )
+    .unwrap();
+    agent.wait_backends(&format!("{VIP}:80/tcp"), 3).unwrap();
+    let to = format!("{VIP}:80");
+    for socket_lb in [true, false] {
+        let v = lab.client_json(socket_lb, &["tcp", "--to", &to, "--count", "60"]).unwrap();
+        eprintln!("affinity, socket_lb={socket_lb}: {v}");
+        let c = counts(&v);
+        assert_eq!(c.len(), 1, "one client, one backend: {v}");
+        assert_eq!(c[0].1, 60, "{v}");
+        // The chosen backend leaves: the client moves to another one and sticks to it.
+        let gone = c[0].0.clone();
+        let keep: Vec<usize> = (0..3).filter(|i| format!("be{}", i + 1) != gone).collect();
+        agent.write("eps.yaml", &slice_yaml("web", &keep, &["TCP"])).unwrap();
+        agent.wait_backends(&format!("{VIP}:80/tcp"), 2).unwrap();
+        let v = lab.client_json(socket_lb, &["tcp", "--to", &to, "--count", "30"]).unwrap();
+        let c2 = counts(&v);
+        assert_eq!(c2.len(), 1, "{v}");
+        assert_ne!(c2[0].0, gone, "{v}");
+        agent.write("eps.yaml", &slice_yaml("web", &[0, 1, 2], &["TCP"])).unwrap();
+        agent.wait_backends(&format!("{VIP}:80/tcp"), 3).unwrap();
+    }
 }

@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
 use serde::Deserialize;
 
 use super::{EventTx, SourceEvent};
@@ -20,6 +20,8 @@ use super::{EventTx, SourceEvent};
 pub enum Object {
     Service(Box<Service>),
     Slice(Box<EndpointSlice>),
+    /// Only this agent's own Node is kept (its addresses serve NodePorts).
+    Node(Box<Node>),
 }
 
 impl Object {
@@ -27,12 +29,15 @@ impl Object {
         match self {
             Object::Service(s) => SourceEvent::ServiceApplied(s.clone()),
             Object::Slice(s) => SourceEvent::SliceApplied(s.clone()),
+            Object::Node(n) => SourceEvent::NodeApplied(n.clone()),
         }
     }
-    fn deleted(&self) -> SourceEvent {
+    fn deleted(&self) -> Option<SourceEvent> {
         match self {
-            Object::Service(s) => SourceEvent::ServiceDeleted(s.clone()),
-            Object::Slice(s) => SourceEvent::SliceDeleted(s.clone()),
+            Object::Service(s) => Some(SourceEvent::ServiceDeleted(s.clone())),
+            Object::Slice(s) => Some(SourceEvent::SliceDeleted(s.clone())),
+            // The node's addresses stay as they were (the kube source behaves alike).
+            Object::Node(_) => None,
         }
     }
 }
@@ -54,14 +59,16 @@ pub fn parse_manifests(text: &str, origin: &str) -> Result<Vec<(ObjKey, Object)>
         let (kind, obj): (&'static str, Object) = match kind {
             "Service" => ("Service", Object::Service(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
             "EndpointSlice" => ("EndpointSlice", Object::Slice(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
+            "Node" => ("Node", Object::Node(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
             _ => continue,
         };
         let meta = match &obj {
             Object::Service(s) => &s.metadata,
             Object::Slice(s) => &s.metadata,
+            Object::Node(n) => &n.metadata,
         };
         let name = meta.name.clone().with_context(|| format!("{what}: metadata.name is missing"))?;
-        let ns = meta.namespace.clone().unwrap_or_else(|| "default".into());
+        let ns = if kind == "Node" { String::new() } else { meta.namespace.clone().unwrap_or_else(|| "default".into()) };
         out.push(((kind, ns, name), obj));
     }
     Ok(out)
@@ -92,6 +99,8 @@ fn signature(dir: &Path) -> Result<Signature> {
 pub struct DirState {
     per_file: HashMap<PathBuf, Vec<(ObjKey, Object)>>,
     current: BTreeMap<ObjKey, Object>,
+    /// Nodes other than this one are ignored.
+    pub node_name: String,
 }
 
 impl DirState {
@@ -103,7 +112,8 @@ impl DirState {
                 .with_context(|| format!("reading {}", f.display()))
                 .and_then(|t| parse_manifests(&t, &f.display().to_string()));
             match parsed {
-                Ok(objs) => {
+                Ok(mut objs) => {
+                    objs.retain(|((kind, _, name), _)| *kind != "Node" || *name == self.node_name);
                     per_file.insert(f.clone(), objs);
                 }
                 Err(e) => {
@@ -127,7 +137,7 @@ impl DirState {
         let mut events = Vec::new();
         for (k, o) in &self.current {
             if !next.contains_key(k) {
-                events.push(o.deleted());
+                events.extend(o.deleted());
             }
         }
         for (k, o) in &next {
@@ -142,8 +152,8 @@ impl DirState {
 }
 
 /// Runs until `tx` is closed.
-pub async fn run(dir: PathBuf, interval: Duration, tx: EventTx) -> Result<()> {
-    let mut state = DirState::default();
+pub async fn run(dir: PathBuf, interval: Duration, node_name: String, tx: EventTx) -> Result<()> {
+    let mut state = DirState { node_name, ..Default::default() };
     let mut last: Option<Signature> = None;
     let mut first = true;
     loop {
@@ -184,6 +194,19 @@ mod tests {
         assert_eq!(objs.len(), 2);
         assert_eq!(objs[0].0, ("Service", "demo".into(), "web".into()));
         assert_eq!(objs[1].0, ("EndpointSlice", "demo".into(), "web-1".into()));
+    }
+
+    #[test]
+    fn only_this_nodes_node_object_is_used() {
+        let dir = std::env::temp_dir().join(format!("gardenet-dir-node-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("nodes.yaml");
+        let node = |n: &str, ip: &str| format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {n}}}\nstatus: {{addresses: [{{type: InternalIP, address: {ip}}}]}}\n");
+        std::fs::write(&f, format!("{}---\n{}", node("n1", "192.0.2.1"), node("n2", "192.0.2.2"))).unwrap();
+        let mut st = DirState { node_name: "n2".into(), ..Default::default() };
+        let ev = st.reload(&[f.clone()]);
+        assert!(matches!(ev.as_slice(), [SourceEvent::NodeApplied(n)] if n.metadata.name.as_deref() == Some("n2")));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -71,6 +71,13 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         pace_ms: u64,
     },
+    /// One HTTP GET; prints the status code and body.
+    HttpGet {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value = "/")]
+        path: String,
+    },
     /// Opens CONNS connections, prints their backends, waits for a line on stdin, then checks
     /// that each connection still works and prints the result.
     Hold {
@@ -90,6 +97,7 @@ fn main() -> Result<()> {
         Cmd::Connect { to, timeout_ms } => connect(to, Duration::from_millis(timeout_ms)),
         Cmd::Bulk { to, bytes, pace_ms } => bulk(to, bytes.min(1 << 30), pace_ms),
         Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
+        Cmd::HttpGet { to, path } => http_get(to, &path),
     }
 }
 
@@ -302,5 +310,17 @@ fn hold(to: SocketAddr, conns: u32) -> Result<()> {
         after.push(if ok && !line.trim().is_empty() { line.trim().to_owned() } else { String::new() });
     }
     println!("{}", json!({"names": names, "after": after}));
+    Ok(())
+}
+
+fn http_get(to: SocketAddr, path: &str) -> Result<()> {
+    let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let status: u16 = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    println!("{}", json!({"status": status, "body": body}));
     Ok(())
 }

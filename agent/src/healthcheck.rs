@@ -1,0 +1,135 @@
+//! `healthCheckNodePort` servers for `externalTrafficPolicy: Local` Services: like kube-proxy,
+//! answer 200 while this node has local endpoints and 503 otherwise, so external load
+//! balancers only send traffic to nodes that can serve it locally.
+use std::{
+    collections::BTreeMap,
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{Arc, RwLock},
+};
+
+use http_body_util::Full;
+use hyper::{body::Bytes, server::conn::http1, service::service_fn, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::{net::TcpListener, task::JoinHandle};
+
+use crate::translate::HealthCheck;
+
+type Shared = Arc<RwLock<BTreeMap<u16, HealthCheck>>>;
+
+/// The set of health-check listeners, reconciled against the Services after every flush.
+#[derive(Default)]
+pub struct HealthCheckServers {
+    state: Shared,
+    tasks: BTreeMap<u16, JoinHandle<()>>,
+}
+
+/// The body kube-proxy serves.
+pub fn body(hc: &HealthCheck) -> String {
+    serde_json::json!({
+        "service": {"namespace": hc.namespace, "name": hc.name},
+        "localEndpoints": hc.local_endpoints,
+        "serviceProxyHealthy": true,
+    })
+    .to_string()
+}
+
+impl HealthCheckServers {
+    pub fn update(&mut self, checks: BTreeMap<u16, HealthCheck>) {
+        for (port, t) in &self.tasks {
+            if !checks.contains_key(port) {
+                t.abort();
+            }
+        }
+        self.tasks.retain(|p, _| checks.contains_key(p));
+        for port in checks.keys() {
+            if !self.tasks.contains_key(port) {
+                self.tasks.insert(*port, tokio::spawn(serve(*port, self.state.clone())));
+            }
+        }
+        *self.state.write().unwrap() = checks;
+    }
+}
+
+impl Drop for HealthCheckServers {
+    fn drop(&mut self) {
+        for t in self.tasks.values() {
+            t.abort();
+        }
+    }
+}
+
+async fn serve(port: u16, state: Shared) {
+    let addr = SocketAddr::from(([0, 0, 0, 0], port));
+    let l = match TcpListener::bind(addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!("healthCheckNodePort {port}: cannot listen: {e}");
+            return;
+        }
+    };
+    loop {
+        let Ok((s, _)) = l.accept().await else { continue };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |_req| {
+                let hc = state.read().unwrap().get(&port).cloned();
+                async move {
+                    let (code, body) = match hc {
+                        Some(hc) if hc.local_endpoints > 0 => (StatusCode::OK, body(&hc)),
+                        Some(hc) => (StatusCode::SERVICE_UNAVAILABLE, body(&hc)),
+                        None => (StatusCode::NOT_FOUND, String::new()),
+                    };
+                    Ok::<_, Infallible>(
+                        Response::builder()
+                            .status(code)
+                            .header("Content-Type", "application/json")
+                            .header("X-Content-Type-Options", "nosniff")
+                            .body(Full::new(Bytes::from(body)))
+                            .unwrap(),
+                    )
+                }
+            });
+            let _ = http1::Builder::new().serve_connection(TokioIo::new(s), svc).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get(port: u16) -> String {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn answers_like_kube_proxy_and_follows_updates() {
+        // Find a free port on loopback (the server listens on all addresses).
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let hc = |n| HealthCheck { port, namespace: "d".into(), name: "web".into(), local_endpoints: n };
+        let mut s = HealthCheckServers::default();
+        s.update(BTreeMap::from([(port, hc(2))]));
+        let mut r = String::new();
+        for _ in 0..50 {
+            if let Ok(Ok(x)) = tokio::time::timeout(std::time::Duration::from_secs(1), tokio::spawn(get(port))).await {
+                r = x;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        assert!(r.contains(r#""localEndpoints":2"#), "{r}");
+        s.update(BTreeMap::from([(port, hc(0))]));
+        let r = get(port).await;
+        assert!(r.starts_with("HTTP/1.1 503"), "{r}");
+        s.update(BTreeMap::new());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err(), "listener closed");
+    }
+}
