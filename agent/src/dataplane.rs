@@ -8,7 +8,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::{
     maps::{HashMap as BpfHashMap, Map, MapData, MapError as AyaMapError, PerCpuArray},
-    programs::{CgroupSockAddr, SchedClassifier, TcAttachType},
+    programs::{CgroupSockAddr, SchedClassifier, TcAttachType, Xdp},
     Ebpf, EbpfLoader,
 };
 use gardenet_common::*;
@@ -50,6 +50,8 @@ pub struct Dataplane {
     ebpf: Ebpf,
     pin_dir: PathBuf,
     links: Vec<LinkRecord>,
+    /// XDP mode used when the link manager attaches an interface.
+    pub xdp_mode: XdpMode,
 }
 
 /// One attachment this agent made or took over.
@@ -58,6 +60,8 @@ pub struct LinkRecord {
     pub hook: String,
     /// Cgroup path or interface name.
     pub target: String,
+    /// Interface index for interface hooks.
+    pub ifindex: Option<u32>,
     pub how: Attached,
     /// Pin path; `None` for legacy (non-link) tc attachments.
     pub pin: Option<PathBuf>,
@@ -123,8 +127,10 @@ impl Dataplane {
             let p: &mut SchedClassifier = prog_mut(&mut ebpf, name)?;
             p.load().with_context(|| format!("verifier rejected {name}"))?;
         }
+        let p: &mut Xdp = prog_mut(&mut ebpf, PROG_XDP)?;
+        p.load().with_context(|| format!("verifier rejected {PROG_XDP}"))?;
         fs::create_dir_all(pin_dir.join("links"))?;
-        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), links: Vec::new() })
+        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), links: Vec::new(), xdp_mode: XdpMode::Auto })
     }
 
     pub fn pin_dir(&self) -> &Path {
@@ -136,13 +142,27 @@ impl Dataplane {
     }
 
     fn attach_link(&mut self, prog: &str, target_raw: u32, want: Target, ty: AttachType, hook: &str, target: &str) -> Result<()> {
+        self.attach_link_flags(prog, target_raw, want, ty, 0, hook, target)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attach_link_flags(&mut self, prog: &str, target_raw: u32, want: Target, ty: AttachType, flags: u32, hook: &str, target: &str) -> Result<()> {
         use std::os::fd::AsFd;
-        let pin = self.pin_dir.join("links").join(format!("{}-{}", hook.replace('/', "-"), target.replace('/', "_")));
+        // Interface hooks are pinned by ifindex: a renamed interface keeps its attachment.
+        let key = match want {
+            Target::Ifindex(i) => format!("if{i}"),
+            Target::Cgroup { .. } => target.replace('/', "_"),
+        };
+        let pin = self.pin_dir.join("links").join(format!("{}-{key}", hook.replace('/', "-")));
         let fd = self.ebpf.program(prog).with_context(|| format!("program {prog} missing"))?.fd()?.as_fd().try_clone_to_owned()?;
-        let (link, how) = pinned_link::attach_pinned(fd.as_fd(), target_raw, want, ty, &pin)
+        let (link, how) = pinned_link::attach_pinned(fd.as_fd(), target_raw, want, ty, flags, &pin)
             .with_context(|| format!("attaching {prog} ({hook}) to {target}"))?;
         self.links.retain(|l| l.pin.as_ref() != Some(&pin));
-        self.links.push(LinkRecord { hook: hook.into(), target: target.into(), how, pin: Some(pin), _fd: Some(link) });
+        let ifindex = match want {
+            Target::Ifindex(i) => Some(i),
+            Target::Cgroup { .. } => None,
+        };
+        self.links.push(LinkRecord { hook: hook.into(), target: target.into(), ifindex, how, pin: Some(pin), _fd: Some(link) });
         Ok(())
     }
 
@@ -157,10 +177,11 @@ impl Dataplane {
         }
     }
 
-    /// Detaches TC LB from `iface` (removes its pins; the links go with our fds).
-    pub fn detach_tc(&mut self, iface: &str) {
+    /// Detaches TC LB and XDP from interface `ifindex` (removes its pins; the links go with
+    /// our fds).
+    pub fn detach_interface(&mut self, ifindex: u32) {
         self.links.retain(|l| {
-            let mine = l.hook.starts_with("tc/") && l.target == iface;
+            let mine = l.ifindex == Some(ifindex);
             if mine {
                 if let Some(p) = &l.pin {
                     let _ = fs::remove_file(p);
@@ -192,13 +213,43 @@ impl Dataplane {
 
     /// Attaches TC LB (ingress DNAT + egress reverse NAT) to `iface`: tcx on kernels that have
     /// it, a clsact qdisc and cls_bpf otherwise (aya picks).
-    pub fn attach_tc(&mut self, iface: &str) -> Result<()> {
-        let cname = std::ffi::CString::new(iface)?;
-        // SAFETY: valid C string.
-        let ifindex = unsafe { libc::if_nametoindex(cname.as_ptr()) };
-        if ifindex == 0 {
-            bail!("interface {iface}: {}", std::io::Error::last_os_error());
+    /// Attaches the XDP program to `iface`: driver mode where the driver supports it
+    /// (`Auto`/`Native`), generic (skb) mode otherwise. Returns the mode used.
+    pub fn attach_xdp(&mut self, iface: &str, mode: XdpMode) -> Result<Option<XdpMode>> {
+        let idx = ifindex(iface)?;
+        self.attach_xdp_index(iface, idx, mode)
+    }
+
+    fn attach_xdp_index(&mut self, iface: &str, ifindex: u32, mode: XdpMode) -> Result<Option<XdpMode>> {
+        const XDP_FLAGS_SKB_MODE: u32 = 1 << 1;
+        const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+        let tries: &[(XdpMode, u32)] = match mode {
+            XdpMode::Off => return Ok(None),
+            XdpMode::Native => &[(XdpMode::Native, XDP_FLAGS_DRV_MODE)],
+            XdpMode::Generic => &[(XdpMode::Generic, XDP_FLAGS_SKB_MODE)],
+            XdpMode::Auto => &[(XdpMode::Native, XDP_FLAGS_DRV_MODE), (XdpMode::Generic, XDP_FLAGS_SKB_MODE)],
+        };
+        let mut last = None;
+        for (m, flags) in tries {
+            match self.attach_link_flags(PROG_XDP, ifindex, Target::Ifindex(ifindex), AttachType::Xdp, *flags, "xdp", iface) {
+                Ok(()) => {
+                    if let Some(l) = self.links.last_mut() {
+                        l.hook = format!("xdp/{}", m.as_str());
+                    }
+                    return Ok(Some(*m));
+                }
+                Err(e) => last = Some(e),
+            }
         }
+        Err(last.unwrap().context(format!("attaching XDP to {iface}")))
+    }
+
+    pub fn attach_tc(&mut self, iface: &str) -> Result<()> {
+        let idx = ifindex(iface)?;
+        self.attach_tc_index(iface, idx)
+    }
+
+    fn attach_tc_index(&mut self, iface: &str, ifindex: u32) -> Result<()> {
         if has_tcx() {
             for (name, ty, hook) in [
                 (PROG_TC_INGRESS, AttachType::TcxIngress, "tc/ingress"),
@@ -213,7 +264,7 @@ impl Dataplane {
         for (name, ty, hook) in [(PROG_TC_INGRESS, TcAttachType::Ingress, "tc/ingress"), (PROG_TC_EGRESS, TcAttachType::Egress, "tc/egress")] {
             let p: &mut SchedClassifier = prog_mut(&mut self.ebpf, name)?;
             p.attach(iface, ty).with_context(|| format!("attaching {name} to {iface}"))?;
-            self.links.push(LinkRecord { hook: hook.into(), target: iface.into(), how: Attached::Created, pin: None, _fd: None });
+            self.links.push(LinkRecord { hook: hook.into(), target: iface.into(), ifindex: Some(ifindex), how: Attached::Created, pin: None, _fd: None });
         }
         Ok(())
     }
@@ -239,6 +290,61 @@ impl Dataplane {
             out.push((*name, v.iter().sum()));
         }
         Ok(out)
+    }
+}
+
+/// The link manager drives interface attachments through this.
+impl crate::links::Attacher for Dataplane {
+    fn attach(&mut self, link: &crate::links::LinkInfo) -> Result<Vec<String>> {
+        let r = self.attach_tc_index(&link.name, link.index).and_then(|()| self.attach_xdp_index(&link.name, link.index, self.xdp_mode));
+        if let Err(e) = r {
+            // All or nothing: the manager retries the whole attach.
+            self.detach_interface(link.index);
+            return Err(e);
+        }
+        Ok(self.links.iter().filter(|l| l.ifindex == Some(link.index)).map(|l| l.hook.clone()).collect())
+    }
+
+    fn detach(&mut self, link: &crate::links::LinkInfo) -> Result<()> {
+        self.detach_interface(link.index);
+        Ok(())
+    }
+
+    fn forget(&mut self, link: &crate::links::LinkInfo) {
+        // The kernel already dropped the links of a deleted device; the pins held dead links.
+        self.detach_interface(link.index);
+    }
+}
+
+fn ifindex(iface: &str) -> Result<u32> {
+    let cname = std::ffi::CString::new(iface)?;
+    // SAFETY: valid C string.
+    let idx = unsafe { libc::if_nametoindex(cname.as_ptr()) };
+    if idx == 0 {
+        bail!("interface {iface}: {}", std::io::Error::last_os_error());
+    }
+    Ok(idx)
+}
+
+/// How XDP is attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum XdpMode {
+    Off,
+    Native,
+    Generic,
+    /// Native where the driver supports it, generic otherwise.
+    Auto,
+}
+
+impl XdpMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            XdpMode::Off => "off",
+            XdpMode::Native => "native",
+            XdpMode::Generic => "generic",
+            XdpMode::Auto => "auto",
+        }
     }
 }
 

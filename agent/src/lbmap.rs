@@ -203,6 +203,12 @@ impl LbState {
         self.frontends.len()
     }
 
+    /// Entries this state occupies in the services map: a master per frontend and one
+    /// per backend slot (for `gardenet_map_entries{map="services"}`).
+    pub fn service_entries(&self) -> usize {
+        self.frontends.values().map(|p| 1 + p.slots.len()).sum()
+    }
+
     /// Monotonic ids; after a u32 wrap, ids still in use are skipped.
     fn alloc_id(&mut self) -> u32 {
         loop {

@@ -16,6 +16,22 @@ struct Cli {
 enum Cmd {
     /// Load the datapath, follow a source of Services and program them.
     Run(run::RunArgs),
+    /// Every network interface: selected or skipped (with the reason), and the hooks attached.
+    Links {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, default_value = dataplane::DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        /// The running agent's state directory (default /run/gardenet/<bpffs dir name>).
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        /// NetworkConfig file, as given to `run`.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        interfaces: gardenet_agent::links::InterfaceArgs,
+    },
     /// Inspect the programmed load-balancer maps.
     Lb {
         #[command(subcommand)]
@@ -49,5 +65,9 @@ fn main() -> Result<()> {
             .build()?
             .block_on(run::run(args)),
         Cmd::Lb { cmd: LbCmd::List { json, bpffs } } => run::lb_list(&bpffs, json),
+        Cmd::Links { json, bpffs, state_dir, config, interfaces } => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(run::links_report(&bpffs, state_dir, config.as_deref(), &interfaces, json)),
     }
 }

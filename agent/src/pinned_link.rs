@@ -83,12 +83,14 @@ pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
     sys_bpf(BPF_OBJ_PIN, &mut a).map(|_| ())
 }
 
-/// Creates a link; the new program runs after the ones already there.
-pub fn link_create(prog: BorrowedFd<'_>, target_fd_or_ifindex: u32, ty: AttachType) -> io::Result<OwnedFd> {
+/// Creates a link; the new program runs after the ones already there. `flags` are the
+/// attach-type specific link flags (XDP mode for XDP, 0 otherwise).
+pub fn link_create(prog: BorrowedFd<'_>, target_fd_or_ifindex: u32, ty: AttachType, flags: u32) -> io::Result<OwnedFd> {
     let mut a = [0u8; 64];
     put_u32(&mut a, 0, prog.as_raw_fd() as u32);
     put_u32(&mut a, 4, target_fd_or_ifindex);
     put_u32(&mut a, 8, ty as u32);
+    put_u32(&mut a, 12, flags);
     let fd = sys_bpf(BPF_LINK_CREATE, &mut a)?;
     // SAFETY: new fd from the kernel.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
@@ -144,6 +146,7 @@ pub fn attach_pinned(
     target_fd_or_ifindex: u32,
     want: Target,
     ty: AttachType,
+    flags: u32,
     pin: &Path,
 ) -> io::Result<(OwnedFd, Attached)> {
     if let Some(old) = obj_get(pin)? {
@@ -156,12 +159,12 @@ pub fn attach_pinned(
             _ => {}
         }
         // Points elsewhere or is defunct: the new link goes in before the old one goes.
-        let new = link_create(prog, target_fd_or_ifindex, ty)?;
+        let new = link_create(prog, target_fd_or_ifindex, ty, flags)?;
         std::fs::remove_file(pin)?;
         obj_pin(new.as_fd(), pin)?;
         return Ok((new, Attached::Created));
     }
-    let new = link_create(prog, target_fd_or_ifindex, ty)?;
+    let new = link_create(prog, target_fd_or_ifindex, ty, flags)?;
     obj_pin(new.as_fd(), pin)?;
     Ok((new, Attached::Created))
 }

@@ -81,6 +81,11 @@ impl<M: LbMaps> Pipeline<M> {
         self.synced
     }
 
+    /// Services that currently own at least one programmed frontend.
+    pub fn service_count(&self) -> usize {
+        self.owned.len()
+    }
+
     pub fn maps(&self) -> &M {
         &self.maps
     }

@@ -2,14 +2,20 @@
 use std::{
     io::Write,
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, Instant},
 };
+
 
 use anyhow::{bail, Context, Result};
 use tokio::sync::mpsc;
 
 use crate::{
     dataplane::{self, Dataplane, MapSizes},
+    gardener::capability::{self, LinuxHost, Requirements},
+    health::AgentState,
+    metrics::{ErrorKind, Metrics},
+    status,
     lbmap::LbState,
     pipeline::Pipeline,
     source::{self, SourceEvent},
@@ -49,9 +55,23 @@ pub struct RunArgs {
     /// Do not attach socket LB (TC LB only).
     #[arg(long)]
     pub no_socket_lb: bool,
-    /// Interfaces to attach TC LB to (repeat or comma-separate).
+    /// Interfaces to attach TC LB (and XDP) to whatever the patterns say: the same as
+    /// `--interface-force` (repeat or comma-separate).
     #[arg(long = "tc-interface", value_delimiter = ',')]
     pub tc_interfaces: Vec<String>,
+    #[command(flatten)]
+    pub interfaces: crate::links::InterfaceArgs,
+    /// NetworkConfig file (gardenet.networking.extensions.gardener.cloud/v1alpha1); flags win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Where the agent publishes its state for `gardenet-agent links` (default
+    /// /run/gardenet/<name of the --bpffs directory>).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// XDP on the TC interfaces: answers/drops traffic to frontends without backends before
+    /// the stack sees it. `auto`: native where the driver supports it, generic otherwise.
+    #[arg(long, value_enum)]
+    pub xdp_mode: Option<dataplane::XdpMode>,
     /// Start from empty maps instead of adopting the pinned state of a previous run.
     #[arg(long)]
     pub reset: bool,
@@ -65,13 +85,41 @@ pub struct RunArgs {
     /// How often `dir:` sources look for changes, in milliseconds.
     #[arg(long, default_value_t = 300)]
     pub poll_ms: u64,
-    /// Map sizes (entries).
-    #[arg(long, default_value_t = gardenet_common::DEFAULT_SERVICES_MAX)]
-    pub map_services: u32,
-    #[arg(long, default_value_t = gardenet_common::DEFAULT_BACKENDS_MAX)]
-    pub map_backends: u32,
-    #[arg(long, default_value_t = gardenet_common::DEFAULT_CT_MAX)]
-    pub map_conntrack: u32,
+    /// Map sizes (entries); default from the NetworkConfig.
+    #[arg(long)]
+    pub map_services: Option<u32>,
+    #[arg(long)]
+    pub map_backends: Option<u32>,
+    #[arg(long)]
+    pub map_conntrack: Option<u32>,
+    /// --health-addr, --metrics-addr, --network, --network-kubeconfig, --kube-proxy-enabled.
+    #[command(flatten)]
+    pub status: status::StatusArgs,
+}
+
+/// The state directory for a bpffs directory.
+pub fn default_state_dir(bpffs: &Path) -> PathBuf {
+    PathBuf::from("/run/gardenet").join(bpffs.file_name().unwrap_or_default())
+}
+
+pub fn load_config(path: Option<&Path>) -> Result<crate::gardener::config::NetworkConfig> {
+    match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            crate::gardener::config::NetworkConfig::from_yaml_str(&text).with_context(|| format!("{}", p.display()))
+        }
+        None => Ok(Default::default()),
+    }
+}
+
+fn xdp_from_config(m: crate::gardener::config::XdpMode) -> dataplane::XdpMode {
+    use crate::gardener::config::XdpMode as C;
+    match m {
+        C::Off => dataplane::XdpMode::Off,
+        C::Generic => dataplane::XdpMode::Generic,
+        C::Native => dataplane::XdpMode::Native,
+        C::Auto => dataplane::XdpMode::Auto,
+    }
 }
 
 /// The node's cgroup2 root: the first cgroup2 mount.
@@ -88,28 +136,37 @@ pub fn cgroup2_root() -> Result<PathBuf> {
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
+    // Endpoints first: /healthz answers and /readyz says why not ready during a slow start.
+    let state = Arc::new(AgentState::default());
+    let metrics = Arc::new(Metrics::new());
+    let endpoints = status::serve_endpoints(&args.status, state.clone(), metrics.clone()).await?;
+    let cgroup_needed = if args.no_socket_lb { None } else { args.cgroup.clone().or_else(|| cgroup2_root().ok()) };
+    state.set_missing(capability::check(&LinuxHost, &Requirements::new(&args.bpffs, cgroup_needed)).missing);
     if args.reset {
         dataplane::remove_pins(&args.bpffs)?;
     }
+    let config = load_config(args.config.as_deref())?;
     let sizes = MapSizes {
-        services: args.map_services,
-        backends: args.map_backends,
-        conntrack: args.map_conntrack,
+        services: args.map_services.unwrap_or(config.map_sizes.services),
+        backends: args.map_backends.unwrap_or(config.map_sizes.backends),
+        sock_revnat: config.map_sizes.sock_rev_nat,
+        conntrack: args.map_conntrack.unwrap_or(config.map_sizes.conntrack),
         ..Default::default()
     };
     let mut dp = Dataplane::load(&args.bpffs, sizes)?;
-    if !args.no_socket_lb {
+    dp.xdp_mode = args.xdp_mode.unwrap_or_else(|| xdp_from_config(config.xdp.mode));
+    if !args.no_socket_lb && config.socket_lb.enabled {
         let cg = match &args.cgroup {
             Some(c) => c.clone(),
             None => cgroup2_root()?,
         };
-        dp.attach_socket_lb(&cg)?;
+        if let Err(e) = dp.attach_socket_lb(&cg) {
+            metrics.error(ErrorKind::Attach);
+            return Err(e);
+        }
         tracing::info!("socket LB attached to cgroup {} ({:?})", cg.display(), dp.links().last().map(|l| l.how));
     }
-    for iface in &args.tc_interfaces {
-        dp.attach_tc(iface)?;
-        tracing::info!("TC LB attached to {iface} ({:?})", dp.links().last().map(|l| l.how));
-    }
+    state.set_programs_loaded(true);
     let maps = dp.lb_maps()?;
     let lb = if args.reset { LbState::new() } else { LbState::adopt(&maps.dump()) };
     if lb.frontend_count() > 0 {
@@ -119,6 +176,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut pipeline = Pipeline::new(maps, lb, node);
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
+    let mut reporting = None;
     let src = match args.source.clone() {
         SourceSpec::Dir(d) => {
             if !d.is_dir() {
@@ -128,9 +186,33 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
         SourceSpec::Kube => {
             let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
+            if args.node_name.is_empty() {
+                tracing::warn!("no --node-name (NODE_NAME): not reporting readiness to Kubernetes");
+            } else {
+                let r = status::Reporting::start(&args.status, client.clone(), &args.node_name, state.clone(), config.clone(), args.detach_on_exit);
+                reporting = Some(r.await?);
+            }
             tokio::spawn(source::kube::run(client, args.node_name.clone(), tx))
         }
     };
+
+    // Interfaces: selection by pattern, attached and kept attached as links come and go.
+    let mut iface_args = args.interfaces.clone();
+    iface_args.force.extend(args.tc_interfaces.iter().cloned());
+    let selector = iface_args.selector(&config.interfaces);
+    let (links, mut watcher) = crate::links::watch(crate::links::WatchOptions::default()).await?;
+    let mut mgr = crate::links::LinkManager::new(selector, dp);
+    mgr.sync(links, Instant::now());
+    for st in mgr.snapshot() {
+        tracing::info!(interface = %st.name, selected = st.selected, hooks = %st.hooks.join(","), "{}", st.reason);
+    }
+    let state_dir = args.state_dir.clone().unwrap_or_else(|| default_state_dir(&args.bpffs));
+    publish_links(&state_dir, &mgr.snapshot());
+    report_links(&state, &metrics, &mgr.snapshot());
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut conntrack_tick = tokio::time::interval(Duration::from_secs(30));
+    let (map_services, map_backends, map_conntrack) = (sizes.services as usize, sizes.backends as usize, sizes.conntrack as usize);
+    state.beat();
 
     let mut health_checks = crate::healthcheck::HealthCheckServers::default();
     let mut ready = false;
@@ -139,12 +221,23 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tokio::select! {
             ev = rx.recv() => {
                 let Some(ev) = ev else { break };
+                state.beat();
                 let t0 = Instant::now();
                 pipeline.handle(ev);
                 while let Ok(ev) = rx.try_recv() {
                     pipeline.handle(ev);
                 }
+                let t_flush = Instant::now();
                 let rep = pipeline.flush();
+                metrics.observe_flush(&rep, t_flush.elapsed());
+                if rep.services > 0 {
+                    metrics.observe_programming_latency(t0.elapsed());
+                }
+                let lb = pipeline.lb();
+                metrics.set_programmed(lb.frontend_count(), lb.backend_count(), pipeline.service_count());
+                metrics.set_map_fill("services", lb.service_entries(), map_services);
+                metrics.set_map_fill("backends", lb.backend_count(), map_backends);
+                state.set_synced(pipeline.is_synced());
                 health_checks.update(pipeline.health_checks());
                 if rep.services > 0 {
                     tracing::debug!(services = rep.services, puts = rep.writes.puts, deletes = rep.writes.deletes, "programmed in {:?}", t0.elapsed());
@@ -158,11 +251,50 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     );
                 }
             }
+            lev = watcher.recv() => {
+                match lev {
+                    Some(ev) => {
+                        mgr.handle(ev, Instant::now());
+                        while let Some(ev) = watcher.try_recv() {
+                            mgr.handle(ev, Instant::now());
+                        }
+                    }
+                    None => {
+                        tracing::warn!("link notifications stopped; watching again");
+                        let (links, w) = crate::links::watch(crate::links::WatchOptions::default()).await?;
+                        watcher = w;
+                        mgr.sync(links, Instant::now());
+                    }
+                }
+                publish_links(&state_dir, &mgr.snapshot());
+                report_links(&state, &metrics, &mgr.snapshot());
+            }
+            _ = tick.tick() => {
+                state.beat();
+                mgr.tick(Instant::now());
+                publish_links(&state_dir, &mgr.snapshot());
+                report_links(&state, &metrics, &mgr.snapshot());
+                if let Ok(stats) = mgr.attacher_mut().stats() {
+                    metrics.set_datapath(&stats);
+                }
+            }
+            _ = conntrack_tick.tick() => {
+                // Walks the whole conntrack map: off the run loop.
+                let (bpffs, metrics) = (args.bpffs.clone(), metrics.clone());
+                tokio::task::spawn_blocking(move || {
+                    if let Ok(n) = dataplane::conntrack_entries(&bpffs) {
+                        metrics.set_conntrack_entries(n);
+                        metrics.set_map_fill("conntrack", n, map_conntrack);
+                    }
+                });
+            }
             _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted, exiting"); break }
             _ = sigterm.recv() => { tracing::info!("terminated, exiting"); break }
         }
     }
     src.abort();
+    let _ = std::fs::remove_file(state_dir.join("links.json"));
+    let dp = mgr.attacher_mut();
     if let Ok(stats) = dp.stats() {
         tracing::info!("datapath counters: {}", stats.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
     }
@@ -170,7 +302,73 @@ pub async fn run(args: RunArgs) -> Result<()> {
         dp.unpin_links();
         tracing::info!("detached all programs (--detach-on-exit)");
     }
+    // Releases the election Lease; with --detach-on-exit also marks the Node not ready.
+    if let Some(reporting) = reporting {
+        reporting.stop().await;
+    }
+    endpoints.iter().for_each(|e| e.abort());
     // Maps (and, without --detach-on-exit, links) stay pinned for the next run.
+    Ok(())
+}
+
+/// Selected interfaces and whether gardenet's programs are on them: /readyz, the Node
+/// condition and gardenet_interface_attached.
+fn report_links(state: &AgentState, metrics: &Metrics, snap: &[crate::links::LinkStatus]) {
+    let selected = snap.iter().filter(|l| l.selected);
+    status::report_interfaces(state, metrics, selected.map(|l| (l.name.clone(), !l.hooks.is_empty(), l.error.clone())));
+}
+
+/// Writes the link manager's view for `gardenet-agent links` (atomically; only on change).
+fn publish_links(dir: &Path, snap: &[crate::links::LinkStatus]) {
+    let Ok(text) = serde_json::to_string_pretty(snap) else { return };
+    let path = dir.join("links.json");
+    if std::fs::read_to_string(&path).is_ok_and(|old| old == text) {
+        return;
+    }
+    let tmp = dir.join(".links.json.tmp");
+    let r = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&tmp, &text)).and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = r {
+        tracing::debug!("publishing link state to {}: {e}", path.display());
+    }
+}
+
+/// `gardenet-agent links`: every interface, whether it is selected and why, and the hooks the
+/// kernel reports on it (gardenet's and foreign ones). Errors come from the running agent.
+pub async fn links_report(bpffs: &Path, state_dir: Option<PathBuf>, config: Option<&Path>, args: &crate::links::InterfaceArgs, json: bool) -> Result<()> {
+    use crate::pinned_link::{prog_name, prog_query, AttachType};
+    let config = load_config(config)?;
+    let selector = args.selector(&config.interfaces);
+    let mut rows = crate::links::explain(&selector, &crate::links::WatchOptions::default()).await?;
+    let state_dir = state_dir.unwrap_or_else(|| default_state_dir(bpffs));
+    let agent: Vec<crate::links::LinkStatus> = std::fs::read_to_string(state_dir.join("links.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let xdp = crate::links::watch::xdp_modes().await.unwrap_or_default();
+    for r in rows.iter_mut() {
+        if let Some(a) = agent.iter().find(|a| a.index == r.index) {
+            // The running agent's decision (it may have been started with other flags).
+            r.selected = a.selected;
+            r.reason = a.reason.clone();
+            r.error = a.error.clone();
+        }
+        let mut hooks = Vec::new();
+        for (ty, hook) in [(AttachType::TcxIngress, "tc/ingress"), (AttachType::TcxEgress, "tc/egress")] {
+            for id in prog_query(r.index, ty).unwrap_or_default() {
+                let name = prog_name(id).unwrap_or_default();
+                hooks.push(if name.starts_with("gn_") { hook.to_string() } else { format!("{hook}(foreign:{name})") });
+            }
+        }
+        if let Some(m) = xdp.get(&r.index) {
+            hooks.push(format!("xdp/{m}"));
+        }
+        r.hooks = hooks;
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", crate::links::render_table(&rows));
+    }
     Ok(())
 }
 

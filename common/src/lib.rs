@@ -39,6 +39,7 @@ pub const PROG_RECVMSG4: &str = "gn_recvmsg4";
 pub const PROG_GETPEERNAME4: &str = "gn_getpeername4";
 pub const PROG_TC_INGRESS: &str = "gn_tc_ingress";
 pub const PROG_TC_EGRESS: &str = "gn_tc_egress";
+pub const PROG_XDP: &str = "gn_xdp";
 
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
@@ -67,8 +68,9 @@ pub enum Stat {
     TcCtCreated = 7,
     TcMissingBackend = 8,
     AffinityHit = 9,
+    XdpDropNoBackend = 10,
 }
-pub const STATS_LEN: u32 = 10;
+pub const STATS_LEN: u32 = 11;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -80,6 +82,7 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_ct_created",
     "tc_missing_backend",
     "affinity_hit",
+    "xdp_drop_no_backend",
 ];
 
 /// Key of `GN_SVC4`.

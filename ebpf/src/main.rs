@@ -6,6 +6,7 @@
 
 mod sock;
 mod tc;
+mod xdp;
 
 use aya_ebpf::{
     macros::map,

@@ -164,13 +164,14 @@ fn removed_backend_gets_no_new_connections_tc_lb() {
 fn zero_backends_refuse_at_once() {
     let _g = serial();
     let lab = Lab::new(3).expect("lab");
-    let agent = Agent::start(
+    let mut agent = Agent::start(
         &lab,
         AgentOpts { socket_lb: true, tc: true, ..Default::default() },
-        &[("svc.yaml", service_yaml("web", VIP, PORT, &["TCP"])), ("eps.yaml", slice_yaml("web", &[], &["TCP"]))],
+        &[("svc.yaml", service_yaml("web", VIP, PORT, &["TCP", "UDP"])), ("eps.yaml", slice_yaml("web", &[], &["TCP", "UDP"]))],
     )
     .unwrap();
     agent.wait_backends(&format!("{}/tcp", vip()), 0).unwrap();
+    agent.wait_backends(&format!("{}/udp", vip()), 0).unwrap();
     for socket_lb in [true, false] {
         let v = lab.client_json(socket_lb, &["connect", "--to", &vip(), "--timeout-ms", "3000"]).unwrap();
         eprintln!("zero backends, socket_lb={socket_lb}: {v}");
@@ -178,4 +179,13 @@ fn zero_backends_refuse_at_once() {
         let ms = v["elapsed_ms"].as_f64().unwrap();
         assert!(ms < 100.0, "refusal took {ms} ms: {v}");
     }
+    // Other traffic to the empty frontend never reaches the stack: XDP drops it on the wire
+    // side (TC would only see what XDP passed).
+    let u = lab.client_json(false, &["udp", "--to", &vip(), "--count", "5", "--timeout-ms", "100"]).unwrap();
+    assert_eq!(u["errors"]["WouldBlock"], 5, "{u}");
+    agent.stop();
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("xdp_drop_no_backend=5"), "{log}");
+    assert!(log.contains("tc_no_backend_reset=1"), "the SYN went on to TC, which answered it: {log}");
+    assert!(log.contains("tc_no_backend_drop=0"), "{log}");
 }

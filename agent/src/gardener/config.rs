@@ -11,7 +11,7 @@
 //! apiVersion: gardenet.networking.extensions.gardener.cloud/v1alpha1
 //! kind: NetworkConfig
 //! kubeProxyReplacement: {enabled: true}
-//! interfaces: {include: ["^eth", "^en[opsx]"], exclude: ["^enP"]}
+//! interfaces: {include: ["^((en|wl|ww|sl|ib)[opsx].*|(eth|wlan|wwan).*)$", "^bond"], exclude: ["^enP"]}
 //! socketLB: {enabled: true, hostNamespaceOnly: false}
 //! xdp: {mode: "off"}
 //! sessionAffinity: {defaultTimeoutSeconds: 10800}
@@ -163,7 +163,8 @@ impl ServiceRouting {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Interfaces {
-    /// Default: `^eth`, `^en[opsx]`, `^bond` (the usual physical/bonded uplinks).
+    /// Default: [`DEFAULT_DATA_INTERFACES`] and `^bond` (bond ports are skipped as enslaved,
+    /// so the bond itself must be selected).
     #[serde(default = "default_include")]
     pub include: Vec<Pattern>,
     /// Default: `^enP`, Azure accelerated-networking VFs. They are enslaved to a synthetic
@@ -190,8 +191,13 @@ impl Interfaces {
     }
 }
 
+/// The usual data interfaces (Calico's `bpfDataIfacePattern` default without its tunnel
+/// devices). `enP...` (Azure accelerated-networking VFs) does not match it, and is excluded
+/// explicitly as well.
+pub const DEFAULT_DATA_INTERFACES: &str = "^((en|wl|ww|sl|ib)[opsx].*|(eth|wlan|wwan).*)$";
+
 fn default_include() -> Vec<Pattern> {
-    ["^eth", "^en[opsx]", "^bond"]
+    [DEFAULT_DATA_INTERFACES, "^bond"]
         .into_iter()
         .map(Pattern::builtin)
         .collect()
@@ -288,13 +294,13 @@ pub struct Xdp {
 #[serde(rename_all = "lowercase")]
 pub enum XdpMode {
     /// No XDP program.
-    #[default]
     Off,
     /// Generic (skb) XDP: works on every driver, no speed-up; mostly for testing.
     Generic,
     /// Driver (native) XDP; attaching fails on drivers without support.
     Native,
-    /// Native where the driver supports it, otherwise no XDP.
+    /// Native where the driver supports it, generic otherwise (the default).
+    #[default]
     Auto,
 }
 
@@ -551,7 +557,7 @@ mapSizes:
         assert_eq!(c, NetworkConfig::default());
         assert_eq!(c.kube_proxy_replacement.enabled, None);
         assert!(c.socket_lb.enabled && !c.socket_lb.host_namespace_only);
-        assert_eq!(c.xdp.mode, XdpMode::Off);
+        assert_eq!(c.xdp.mode, XdpMode::Auto);
         assert_eq!(c.session_affinity.default_timeout_seconds, 10_800);
         assert_eq!(c.map_sizes.services, gardenet_common::DEFAULT_SERVICES_MAX);
         assert_eq!(c.map_sizes.conntrack, gardenet_common::DEFAULT_CT_MAX);

@@ -204,6 +204,24 @@ fn patch(
             None if apply && !status => (json!({"metadata": {"name": name}}), true),
             None => return Err(not_found(coll, name)),
         };
+        // A merge patch naming a resourceVersion is a precondition, as on the real server.
+        if let Some(want) = (!json_patch)
+            .then(|| patch.pointer("/metadata/resourceVersion"))
+            .flatten()
+            .and_then(Value::as_str)
+        {
+            if !created && doc.pointer("/metadata/resourceVersion").and_then(Value::as_str) != Some(want) {
+                return Err(Failure::new(
+                    409,
+                    "Conflict",
+                    format!(
+                        "Operation cannot be fulfilled on {} \"{name}\": the object has been \
+                         modified; please apply your changes to the latest version and try again",
+                        coll.plural
+                    ),
+                ));
+            }
+        }
         let mut patched = doc.clone();
         if json_patch {
             let ops: json_patch::Patch = serde_json::from_value(patch)

@@ -1,0 +1,484 @@
+//! The agent's own view of its health, and the HTTP endpoints that expose it.
+//!
+//! - `/healthz` (liveness): 200 while the run loop keeps beating ([`AgentState::beat`]);
+//!   503 once the last beat is older than the liveness timeout (30 s by default), or when
+//!   the loop has not started within the startup grace (5 min: loading programs is slow).
+//!   A wedged loop is what a restart can fix; a not-ready dataplane is not, so it does not
+//!   fail this.
+//! - `/readyz` (readiness): 200 `ok` when the programs are loaded, attached to every selected
+//!   interface and the first full sync is programmed; else 503 with the reasons, one a line.
+//! - `/metrics`: [`Metrics::encode`].
+//!
+//! [`AgentState`] is shared (`Arc`) between the run loop (writer), the HTTP server and the
+//! Node status reporter (readers); readers that want to react to readiness changes
+//! [`subscribe`](AgentState::subscribe).
+
+use std::{
+    collections::BTreeMap,
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, RwLock,
+    },
+    time::{Duration, Instant},
+};
+
+use http_body_util::Full;
+use hyper::{
+    body::{Bytes, Incoming},
+    header,
+    server::conn::http1,
+    service::service_fn,
+    Method, Request, Response, StatusCode,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::{net::TcpListener, sync::watch};
+
+use crate::metrics::{self, Metrics};
+
+/// How long the run loop may go without a beat before `/healthz` fails.
+pub const DEFAULT_LIVENESS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long the agent may take to reach its run loop (the first beat). Loading and
+/// verifying the programs alone can take over a minute on a busy node; restarting the
+/// agent for that would only start the wait again. A load that hangs for longer is a fault.
+pub const DEFAULT_STARTUP_GRACE: Duration = Duration::from_secs(300);
+
+/// `last_beat_ms` before the first beat.
+const NEVER: u64 = u64::MAX;
+
+/// A scraper or probe that sends nothing must not hold a connection forever.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Attachment of the TC load balancer to one selected interface.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InterfaceState {
+    pub attached: bool,
+    /// Why the last attach failed, if it did.
+    pub error: Option<String>,
+}
+
+/// The parts of readiness. An interface listed here is one the agent must be attached to:
+/// the run loop registers every selected interface (attached or not).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Readiness {
+    pub programs_loaded: bool,
+    pub interfaces: BTreeMap<String, InterfaceState>,
+    /// The first full sync of Services and EndpointSlices is programmed.
+    pub synced: bool,
+    /// When the last flush finished (informational, not a readiness condition).
+    pub last_sync: Option<Instant>,
+    /// Dataplane prerequisites this node lacks (`gardener::capability::check`).
+    pub missing: Vec<String>,
+}
+
+impl Readiness {
+    /// `Ok` when ready, else every reason it is not, in a stable order.
+    pub fn ready(&self) -> Result<(), Vec<String>> {
+        let mut reasons: Vec<String> = self
+            .missing
+            .iter()
+            .map(|m| format!("missing prerequisite: {m}"))
+            .collect();
+        reasons.extend(self.pending());
+        if reasons.is_empty() {
+            Ok(())
+        } else {
+            Err(reasons)
+        }
+    }
+
+    /// The reasons other than missing prerequisites: what the agent is still working on.
+    /// (The Node condition reports missing prerequisites separately, as they are a
+    /// configuration problem and not progress.)
+    pub fn pending(&self) -> Vec<String> {
+        let mut reasons = Vec::new();
+        if !self.programs_loaded {
+            reasons.push("eBPF programs are not loaded".to_owned());
+        }
+        for (name, iface) in &self.interfaces {
+            match (&iface.attached, &iface.error) {
+                (true, _) => {}
+                (false, Some(e)) => reasons.push(format!("interface {name}: not attached: {e}")),
+                (false, None) => reasons.push(format!("interface {name}: not attached yet")),
+            }
+        }
+        if !self.synced {
+            reasons.push(
+                "first full sync of Services and EndpointSlices is not programmed yet".to_owned(),
+            );
+        }
+        reasons
+    }
+}
+
+/// Shared agent state: readiness parts and the run loop's heartbeat.
+pub struct AgentState {
+    readiness: RwLock<Readiness>,
+    started: Instant,
+    /// Milliseconds since `started` of the last beat; [`NEVER`] before the first.
+    last_beat_ms: AtomicU64,
+    liveness_timeout: Duration,
+    startup_grace: Duration,
+    /// Bumped whenever the readiness verdict (or its reasons) changes.
+    changes: watch::Sender<u64>,
+}
+
+impl Default for AgentState {
+    fn default() -> Self {
+        Self::new(DEFAULT_LIVENESS_TIMEOUT, DEFAULT_STARTUP_GRACE)
+    }
+}
+
+impl AgentState {
+    /// `/healthz` fails when the run loop has not beaten for `liveness_timeout`, or has not
+    /// started within `startup_grace`.
+    pub fn new(liveness_timeout: Duration, startup_grace: Duration) -> Self {
+        AgentState {
+            readiness: RwLock::default(),
+            started: Instant::now(),
+            last_beat_ms: AtomicU64::new(NEVER),
+            liveness_timeout,
+            startup_grace,
+            changes: watch::channel(0).0,
+        }
+    }
+
+    /// A copy of the current readiness parts.
+    pub fn snapshot(&self) -> Readiness {
+        self.readiness
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn ready(&self) -> Result<(), Vec<String>> {
+        self.readiness
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .ready()
+    }
+
+    /// Changes readiness parts; subscribers are woken only if the verdict or its reasons
+    /// changed (not for every `last_sync`), so they can afford to react to each wake-up.
+    pub fn update(&self, f: impl FnOnce(&mut Readiness)) {
+        // A panic while holding the lock cannot leave a half-updated struct of plain
+        // fields behind in a way that matters here: keep going with what is there.
+        let mut r = self.readiness.write().unwrap_or_else(|e| e.into_inner());
+        let before = r.ready();
+        f(&mut r);
+        let after = r.ready();
+        drop(r);
+        if before != after {
+            self.changes.send_modify(|generation| *generation += 1);
+        }
+    }
+
+    pub fn set_programs_loaded(&self, loaded: bool) {
+        self.update(|r| r.programs_loaded = loaded);
+    }
+
+    /// Registers a selected interface and its attachment (`error` when attaching failed).
+    pub fn set_interface(&self, name: &str, attached: bool, error: Option<String>) {
+        self.update(|r| {
+            r.interfaces
+                .insert(name.to_owned(), InterfaceState { attached, error });
+        });
+    }
+
+    /// Replaces the whole set of selected interfaces (e.g. from the link manager's snapshot):
+    /// interfaces not in `interfaces` are no longer required.
+    pub fn set_interfaces(&self, interfaces: BTreeMap<String, InterfaceState>) {
+        self.update(|r| r.interfaces = interfaces);
+    }
+
+    /// An interface that is gone or no longer selected is no longer required.
+    pub fn remove_interface(&self, name: &str) {
+        self.update(|r| {
+            r.interfaces.remove(name);
+        });
+    }
+
+    /// Records a finished flush; `synced` is the pipeline's first-full-sync flag.
+    pub fn set_synced(&self, synced: bool) {
+        self.update(|r| {
+            r.synced = synced;
+            r.last_sync = Some(Instant::now());
+        });
+    }
+
+    pub fn set_missing(&self, missing: Vec<String>) {
+        self.update(|r| r.missing = missing);
+    }
+
+    /// Wakes on readiness changes (see [`update`](Self::update)).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Called by the run loop on every iteration and on a timer while idle.
+    pub fn beat(&self) {
+        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(NEVER - 1);
+        self.last_beat_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// `Err(age of the last beat, or time since start)` when the run loop looks stuck.
+    pub fn alive(&self) -> Result<(), Duration> {
+        let (age, limit) = match self.last_beat_ms.load(Ordering::Relaxed) {
+            NEVER => (self.started.elapsed(), self.startup_grace),
+            ms => (
+                self.started
+                    .elapsed()
+                    .saturating_sub(Duration::from_millis(ms)),
+                self.liveness_timeout,
+            ),
+        };
+        if age > limit {
+            Err(age)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Binds `addr` and serves `/healthz`, `/readyz` and `/metrics` until the task is dropped.
+pub async fn serve(
+    addr: SocketAddr,
+    state: Arc<AgentState>,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding the health/metrics endpoint {addr}: {e}"))?;
+    tracing::info!("serving /healthz, /readyz and /metrics on {addr}");
+    serve_on(listener, state, metrics).await
+}
+
+/// [`serve`] on a bound listener (tests bind port 0 and read the address).
+pub async fn serve_on(
+    listener: TcpListener,
+    state: Arc<AgentState>,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<()> {
+    loop {
+        let tcp = match listener.accept().await {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                // E.g. out of file descriptors: back off instead of spinning, keep serving.
+                tracing::warn!("health endpoint: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (state, metrics) = (state.clone(), metrics.clone());
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let response = respond(&req, &state, &metrics);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(tcp), service);
+            if let Err(e) = conn.await {
+                tracing::debug!("health endpoint connection: {e}");
+            }
+        });
+    }
+}
+
+fn respond(
+    req: &Request<Incoming>,
+    state: &AgentState,
+    metrics: &Metrics,
+) -> Response<Full<Bytes>> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n".into());
+    }
+    match req.uri().path() {
+        "/healthz" | "/livez" => match state.alive() {
+            Ok(()) => text(StatusCode::OK, "ok\n".into()),
+            Err(age) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("run loop stalled: no heartbeat for {}s\n", age.as_secs()),
+            ),
+        },
+        "/readyz" => match state.ready() {
+            Ok(()) => text(StatusCode::OK, "ok\n".into()),
+            Err(reasons) => {
+                let mut body = reasons.join("\n");
+                body.push('\n');
+                text(StatusCode::SERVICE_UNAVAILABLE, body)
+            }
+        },
+        "/metrics" => with_type(StatusCode::OK, metrics::CONTENT_TYPE, metrics.encode()),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: try /healthz, /readyz or /metrics\n".into(),
+        ),
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    with_type(status, "text/plain; charset=utf-8", body)
+}
+
+fn with_type(
+    status: StatusCode,
+    content_type: &'static str,
+    body: String,
+) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        time::timeout,
+    };
+
+    const PATIENCE: Duration = Duration::from_secs(5);
+
+    /// One request over a fresh connection; (status, body).
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        let exchange = async {
+            let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
+            tcp.write_all(req.as_bytes()).await.unwrap();
+            let mut raw = String::new();
+            tcp.read_to_string(&mut raw).await.unwrap();
+            raw
+        };
+        let raw = timeout(PATIENCE, exchange).await.expect("response in time");
+        let (head, body) = raw.split_once("\r\n\r\n").expect("a full HTTP response");
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .expect("status code");
+        (status, body.to_owned())
+    }
+
+    async fn server(
+        state: Arc<AgentState>,
+    ) -> (SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let metrics = Arc::new(Metrics::new());
+        metrics.set_programmed(1, 2, 1);
+        (addr, tokio::spawn(serve_on(listener, state, metrics)))
+    }
+
+    #[test]
+    fn readiness_reasons() {
+        let mut r = Readiness::default();
+        assert_eq!(
+            r.ready().unwrap_err(),
+            [
+                "eBPF programs are not loaded",
+                "first full sync of Services and EndpointSlices is not programmed yet"
+            ]
+        );
+        r.programs_loaded = true;
+        r.synced = true;
+        r.interfaces.insert(
+            "eth0".into(),
+            InterfaceState {
+                attached: true,
+                error: None,
+            },
+        );
+        assert_eq!(r.ready(), Ok(()));
+        r.interfaces.insert(
+            "eth1".into(),
+            InterfaceState {
+                attached: false,
+                error: Some("no such device".into()),
+            },
+        );
+        r.missing = vec!["cgroup2 is not mounted".into()];
+        assert_eq!(
+            r.ready().unwrap_err(),
+            [
+                "missing prerequisite: cgroup2 is not mounted",
+                "interface eth1: not attached: no such device"
+            ]
+        );
+        assert_eq!(
+            r.pending(),
+            ["interface eth1: not attached: no such device"]
+        );
+    }
+
+    #[test]
+    fn subscribers_wake_only_on_verdict_changes() {
+        let state = AgentState::default();
+        let mut rx = state.subscribe();
+        state.set_programs_loaded(true);
+        assert!(rx.has_changed().unwrap());
+        rx.mark_unchanged();
+        state.set_programs_loaded(true);
+        assert!(!rx.has_changed().unwrap());
+        state.set_synced(true);
+        assert!(rx.has_changed().unwrap());
+        rx.mark_unchanged();
+        state.set_synced(true); // a later flush: last_sync moves, the verdict does not
+        assert!(!rx.has_changed().unwrap());
+        assert!(state.snapshot().last_sync.is_some());
+    }
+
+    #[tokio::test]
+    async fn endpoints() {
+        let state = Arc::new(AgentState::default());
+        let (addr, task) = server(state.clone()).await;
+
+        let (code, body) = get(addr, "/readyz").await;
+        assert_eq!(code, 503);
+        assert_eq!(
+            body,
+            "eBPF programs are not loaded\nfirst full sync of Services and EndpointSlices is not programmed yet\n"
+        );
+        state.set_programs_loaded(true);
+        state.set_interface("eth0", true, None);
+        state.set_synced(true);
+        assert_eq!(get(addr, "/readyz").await, (200, "ok\n".into()));
+
+        assert_eq!(get(addr, "/healthz").await, (200, "ok\n".into()));
+        let (code, body) = get(addr, "/metrics").await;
+        assert_eq!(code, 200);
+        assert!(body.contains("gardenet_frontends 1"), "{body}");
+        assert_eq!(get(addr, "/nope").await.0, 404);
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn healthz_fails_when_the_loop_stops_beating() {
+        let state = Arc::new(AgentState::new(
+            Duration::from_millis(200),
+            Duration::from_millis(300),
+        ));
+        let (addr, task) = server(state.clone()).await;
+        // Starting: the grace applies until the first beat.
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(get(addr, "/healthz").await.0, 503);
+        state.beat();
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let (code, body) = get(addr, "/healthz").await;
+        assert_eq!(code, 503);
+        assert!(body.starts_with("run loop stalled"), "{body}");
+        state.beat();
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+        task.abort();
+    }
+}

@@ -1,0 +1,425 @@
+//! Prometheus metrics of the agent, served on `/metrics` by [`crate::health::serve`].
+//!
+//! The run loop owns no metric objects: it calls the plain methods of [`Metrics`] with what
+//! it already has (a [`FlushReport`], the datapath counters, map sizes), so the pipeline and
+//! dataplane stay free of any metrics dependency.
+//!
+//! The exposition is OpenMetrics text (what `prometheus-client` writes; Prometheus scrapes
+//! it natively). Counters are registered without `_total`: the format appends it.
+
+use std::{collections::BTreeSet, sync::Mutex, time::Duration};
+
+use prometheus_client::{
+    encoding::{text, EncodeLabelSet},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::Registry,
+};
+
+use crate::{pipeline::FlushReport, translate::Problem};
+
+/// `Content-Type` of [`Metrics::encode`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// What went wrong, as counted by `gardenet_errors_total{kind}`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A Service or EndpointSlice gardenet cannot program as written.
+    Translate,
+    /// Two Services want the same frontend.
+    Conflict,
+    /// A BPF map has no room left.
+    MapFull,
+    /// Any other map operation failure.
+    MapIo,
+    /// Attaching a program to an interface or cgroup failed.
+    Attach,
+    /// The source of Services (API server, directory) failed.
+    Source,
+}
+
+impl ErrorKind {
+    /// The `kind` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Translate => "translate",
+            Self::Conflict => "conflict",
+            Self::MapFull => "map_full",
+            Self::MapIo => "map_io",
+            Self::Attach => "attach",
+            Self::Source => "source",
+        }
+    }
+
+    /// Classifies a pipeline problem. `Problem` carries no kind, so this reads the message
+    /// formats of `pipeline.rs` and `lbmap::MapError` (`map X is full (op)`); anything not
+    /// recognisably a map write or a conflict is a translation problem.
+    pub fn of_problem(p: &Problem) -> Self {
+        let m = p.message.as_str();
+        if m.contains(" is already used by service ") {
+            return Self::Conflict;
+        }
+        if m.contains(" is full (") {
+            return Self::MapFull;
+        }
+        // Map errors are "frontend <fe>: <error>" or "deleting [stale ]frontend <fe>: <error>";
+        // translation problems about a frontend read "frontend <fe> listed twice".
+        let rest = m
+            .strip_prefix("deleting stale frontend ")
+            .or_else(|| m.strip_prefix("deleting frontend "))
+            .or_else(|| m.strip_prefix("frontend "));
+        match rest.and_then(|r| r.split_whitespace().next()) {
+            Some(fe) if fe.ends_with(':') => Self::MapIo,
+            _ => Self::Translate,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MapLabel {
+    map: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InterfaceLabel {
+    interface: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CounterLabel {
+    counter: String,
+}
+
+/// The agent's metrics and the registry they are encoded from. Cheap to update from any
+/// thread (atomics and short locks inside `prometheus-client`).
+pub struct Metrics {
+    registry: Registry,
+    services: Gauge,
+    frontends: Gauge,
+    backends: Gauge,
+    map_entries: Family<MapLabel, Gauge>,
+    map_capacity: Family<MapLabel, Gauge>,
+    conntrack_entries: Gauge,
+    interface_attached: Family<InterfaceLabel, Gauge>,
+    errors: Family<KindLabel, Counter>,
+    map_writes: Family<OpLabel, Counter>,
+    datapath_packets: Family<CounterLabel, Counter>,
+    sync_duration: Histogram,
+    programming_latency: Histogram,
+    /// Interfaces with a `gardenet_interface_attached` series (the family cannot be listed).
+    interfaces: Mutex<BTreeSet<String>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Gauges are `i64`; saturate rather than wrap for absurd sizes.
+fn gauge_value(n: impl TryInto<i64>) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            services: Gauge::default(),
+            frontends: Gauge::default(),
+            backends: Gauge::default(),
+            map_entries: Family::default(),
+            map_capacity: Family::default(),
+            conntrack_entries: Gauge::default(),
+            interface_attached: Family::default(),
+            errors: Family::default(),
+            map_writes: Family::default(),
+            datapath_packets: Family::default(),
+            // One flush: 100µs .. ~3.3s.
+            sync_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+            // Event received -> maps written: 1ms .. ~16s (includes batching behind a slow flush).
+            programming_latency: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            interfaces: Mutex::default(),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register(
+            "gardenet_services",
+            "Services programmed in the datapath",
+            m.services.clone(),
+        );
+        r.register(
+            "gardenet_frontends",
+            "Frontends (VIP:port/proto) programmed in the datapath",
+            m.frontends.clone(),
+        );
+        r.register(
+            "gardenet_backends",
+            "Distinct backends programmed in the datapath",
+            m.backends.clone(),
+        );
+        r.register(
+            "gardenet_map_entries",
+            "Entries in a BPF map",
+            m.map_entries.clone(),
+        );
+        r.register(
+            "gardenet_map_capacity",
+            "Capacity (max entries) of a BPF map",
+            m.map_capacity.clone(),
+        );
+        r.register(
+            "gardenet_conntrack_entries",
+            "Entries in the datapath's connection tracking map",
+            m.conntrack_entries.clone(),
+        );
+        r.register(
+            "gardenet_interface_attached",
+            "1 if the TC load balancer is attached to the interface",
+            m.interface_attached.clone(),
+        );
+        r.register("gardenet_errors", "Errors by kind", m.errors.clone());
+        r.register(
+            "gardenet_map_writes",
+            "BPF map writes by operation",
+            m.map_writes.clone(),
+        );
+        r.register(
+            "gardenet_datapath_packets",
+            "Datapath packet counters (summed over CPUs)",
+            m.datapath_packets.clone(),
+        );
+        r.register(
+            "gardenet_sync_duration_seconds",
+            "Duration of one flush of changes into the BPF maps",
+            m.sync_duration.clone(),
+        );
+        r.register(
+            "gardenet_network_programming_latency_seconds",
+            "Time from receiving a Service or EndpointSlice change to its map write",
+            m.programming_latency.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// Records one pipeline flush: its duration, map writes and problems by kind.
+    pub fn observe_flush(&self, report: &FlushReport, duration: Duration) {
+        self.sync_duration.observe(duration.as_secs_f64());
+        self.map_writes
+            .get_or_create(&OpLabel { op: "put" })
+            .inc_by(u64::from(report.writes.puts));
+        self.map_writes
+            .get_or_create(&OpLabel { op: "delete" })
+            .inc_by(u64::from(report.writes.deletes));
+        for p in &report.problems {
+            self.error(ErrorKind::of_problem(p));
+        }
+    }
+
+    /// Records the network programming latency of one batch (first event received -> written).
+    pub fn observe_programming_latency(&self, latency: Duration) {
+        self.programming_latency.observe(latency.as_secs_f64());
+    }
+
+    pub fn set_programmed(&self, frontends: usize, backends: usize, services: usize) {
+        self.frontends.set(gauge_value(frontends));
+        self.backends.set(gauge_value(backends));
+        self.services.set(gauge_value(services));
+    }
+
+    /// The datapath's per-CPU counters as summed by `Dataplane::stats()`. They are absolute
+    /// (kept in pinned maps, so they survive agent restarts): stored, not added. A value that
+    /// goes down (maps were recreated) is a counter reset to Prometheus, as it should be.
+    pub fn set_datapath(&self, stats: &[(&str, u64)]) {
+        for (name, value) in stats {
+            self.datapath_packets
+                .get_or_create(&CounterLabel {
+                    counter: (*name).to_owned(),
+                })
+                .inner()
+                .store(*value, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Fill level of one map: alert on `entries / capacity`.
+    pub fn set_map_fill(&self, map: &str, entries: usize, capacity: usize) {
+        let label = MapLabel {
+            map: map.to_owned(),
+        };
+        self.map_entries
+            .get_or_create(&label)
+            .set(gauge_value(entries));
+        self.map_capacity
+            .get_or_create(&label)
+            .set(gauge_value(capacity));
+    }
+
+    pub fn set_conntrack_entries(&self, entries: usize) {
+        self.conntrack_entries.set(gauge_value(entries));
+    }
+
+    pub fn set_interface(&self, interface: &str, attached: bool) {
+        self.interface_attached
+            .get_or_create(&InterfaceLabel {
+                interface: interface.to_owned(),
+            })
+            .set(i64::from(attached));
+        self.known_interfaces().insert(interface.to_owned());
+    }
+
+    fn known_interfaces(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        self.interfaces.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Replaces all interface series: interfaces not listed are no longer reported.
+    pub fn set_interfaces<'a>(&self, interfaces: impl IntoIterator<Item = (&'a str, bool)>) {
+        // Series are updated in place and only the departed removed: a scrape never sees
+        // a present interface missing.
+        let mut now = BTreeSet::new();
+        for (name, attached) in interfaces {
+            self.set_interface(name, attached);
+            now.insert(name.to_owned());
+        }
+        let mut known = self.known_interfaces();
+        for gone in known.difference(&now) {
+            self.interface_attached.remove(&InterfaceLabel {
+                interface: gone.clone(),
+            });
+        }
+        *known = now;
+    }
+
+    /// An interface that went away is no longer reported (rather than reported detached).
+    pub fn remove_interface(&self, interface: &str) {
+        self.interface_attached.remove(&InterfaceLabel {
+            interface: interface.to_owned(),
+        });
+        self.known_interfaces().remove(interface);
+    }
+
+    pub fn error(&self, kind: ErrorKind) {
+        self.errors
+            .get_or_create(&KindLabel {
+                kind: kind.as_str(),
+            })
+            .inc();
+    }
+
+    /// The exposition, for `/metrics`.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail; an encoder error would be a bug in a metric
+        // name, and a partial page is better than none.
+        if let Err(e) = text::encode(&mut out, &self.registry) {
+            tracing::warn!("encoding metrics: {e}");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lbmap::Writes;
+
+    fn problem(m: &str) -> Problem {
+        Problem {
+            service: "d/a".into(),
+            message: m.into(),
+        }
+    }
+
+    #[test]
+    fn problems_are_classified() {
+        let kinds: Vec<ErrorKind> = [
+            "frontend 10.96.0.1:80/TCP is already used by service d/b; not programmed",
+            "frontend 10.96.0.1:80/TCP: map backends is full (put 7)",
+            "frontend 10.96.0.1:80/TCP: map services: I/O error",
+            "deleting stale frontend 10.96.0.1:80/TCP: gone",
+            "frontend 10.96.0.1:80/TCP listed twice",
+            "clusterIP \"x\" is not an IP address",
+        ]
+        .iter()
+        .map(|m| ErrorKind::of_problem(&problem(m)))
+        .collect();
+        use ErrorKind::*;
+        assert_eq!(
+            kinds,
+            [Conflict, MapFull, MapIo, MapIo, Translate, Translate]
+        );
+    }
+
+    #[test]
+    fn exposition_has_every_metric() {
+        let m = Metrics::new();
+        let report = FlushReport {
+            services: 2,
+            writes: Writes {
+                puts: 5,
+                deletes: 1,
+            },
+            problems: vec![problem(
+                "frontend 10.96.0.1:80/TCP: map backends is full (put 7)",
+            )],
+        };
+        m.observe_flush(&report, Duration::from_millis(3));
+        m.observe_programming_latency(Duration::from_millis(12));
+        m.set_programmed(3, 4, 2);
+        m.set_datapath(&[("sock_lb_hits", 42), ("tc_lb_hits", 7)]);
+        m.set_datapath(&[("sock_lb_hits", 40)]);
+        m.set_map_fill("services", 10, 65536);
+        m.set_conntrack_entries(9);
+        m.set_interface("eth0", true);
+        m.set_interface("eth1", false);
+        m.error(ErrorKind::Attach);
+        let text = m.encode();
+        for line in [
+            "gardenet_services 2",
+            "gardenet_frontends 3",
+            "gardenet_backends 4",
+            "gardenet_map_entries{map=\"services\"} 10",
+            "gardenet_map_capacity{map=\"services\"} 65536",
+            "gardenet_conntrack_entries 9",
+            "gardenet_interface_attached{interface=\"eth0\"} 1",
+            "gardenet_interface_attached{interface=\"eth1\"} 0",
+            "gardenet_errors_total{kind=\"map_full\"} 1",
+            "gardenet_errors_total{kind=\"attach\"} 1",
+            "gardenet_map_writes_total{op=\"put\"} 5",
+            "gardenet_map_writes_total{op=\"delete\"} 1",
+            // Absolute values are stored, not summed.
+            "gardenet_datapath_packets_total{counter=\"sock_lb_hits\"} 40",
+            "gardenet_datapath_packets_total{counter=\"tc_lb_hits\"} 7",
+            "gardenet_sync_duration_seconds_count 1",
+            "gardenet_network_programming_latency_seconds_count 1",
+            "# TYPE gardenet_sync_duration_seconds histogram",
+            "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        m.remove_interface("eth1");
+        assert!(!m.encode().contains("eth1"));
+        m.set_interfaces([("eth2", true)]);
+        let text = m.encode();
+        assert!(
+            !text.contains("eth0") && text.contains("interface=\"eth2\"} 1"),
+            "{text}"
+        );
+    }
+}
