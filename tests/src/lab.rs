@@ -225,13 +225,19 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// Writes `manifests` (file name, YAML) and starts the agent; returns once it is ready.
+    /// Writes `manifests` (file name, YAML) and starts the agent on the lab's node; returns
+    /// once it is ready.
     pub fn start(lab: &Lab, opts: AgentOpts, manifests: &[(&str, String)]) -> Result<Self> {
-        let dir = std::env::temp_dir().join(format!("{}-manifests", lab.tag));
+        Self::start_in(&lab.tag, &lab.node, Some(&lab.cgroup), opts, manifests)
+    }
+
+    /// Like `start`, in any namespace (`cgroup`: where socket LB attaches, if enabled).
+    pub fn start_in(tag: &str, ns: &Netns, cgroup: Option<&TestCgroup>, opts: AgentOpts, manifests: &[(&str, String)]) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("{tag}-manifests"));
         std::fs::create_dir_all(&dir)?;
         let mut a = Agent {
             proc: None,
-            bpffs: PathBuf::from("/sys/fs/bpf").join(&lab.tag),
+            bpffs: PathBuf::from("/sys/fs/bpf").join(tag),
             dir,
             log: Default::default(),
             bin: sibling_binary("gardenet-agent")?,
@@ -240,12 +246,12 @@ impl Agent {
         for (f, y) in manifests {
             a.write(f, y)?;
         }
-        a.launch(lab, true)?;
+        a.launch(ns, cgroup, true)?;
         Ok(a)
     }
 
-    fn launch(&mut self, lab: &Lab, reset: bool) -> Result<()> {
-        let mut cmd = lab.node.command(&self.bin, None)?;
+    fn launch(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<()> {
+        let mut cmd = ns.command(&self.bin, None)?;
         cmd.arg("run")
             .arg(format!("--source=dir:{}", self.dir.display()))
             .arg(format!("--bpffs={}", self.bpffs.display()))
@@ -253,14 +259,16 @@ impl Agent {
         if reset {
             cmd.arg("--reset");
         }
-        if self.opts.socket_lb {
-            cmd.arg(format!("--cgroup={}", lab.cgroup.path.display()));
+        if let (true, Some(cg)) = (self.opts.socket_lb, cgroup) {
+            cmd.arg(format!("--cgroup={}", cg.path.display()));
         } else {
             cmd.arg("--no-socket-lb");
         }
         if self.opts.tc {
             cmd.arg("--tc-interface=nc0,nn0");
         }
+        // Each test agent has its own namespace; keep the endpoints off fixed ports anyway.
+        cmd.args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"]);
         if !self.opts.keep_links {
             cmd.arg("--detach-on-exit");
         }
@@ -287,10 +295,14 @@ impl Agent {
 
     /// Stops the agent (as an upgrade would) and starts it again on the same pins.
     pub fn restart(&mut self, lab: &Lab) -> Result<()> {
+        self.restart_in(&lab.node, Some(&lab.cgroup))
+    }
+
+    pub fn restart_in(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>) -> Result<()> {
         if let Some(mut p) = self.proc.take() {
             p.terminate();
         }
-        self.launch(lab, false)
+        self.launch(ns, cgroup, false)
     }
 
     /// Writes a manifest atomically (the dir source must never see half a file).
