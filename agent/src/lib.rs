@@ -1,5 +1,6 @@
 //! gardenet agent: sources -> desired-state model -> map writer -> eBPF.
 pub mod dataplane;
+pub mod events;
 pub mod gardener;
 pub mod healthcheck;
 pub mod lbmap;

@@ -15,6 +15,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Load the datapath, follow a source of Services and program them.
+    // A flag given twice takes the last value (wrappers can append overrides).
+    #[command(args_override_self = true)]
     Run(run::RunArgs),
     /// Every network interface: selected or skipped (with the reason), and the hooks attached.
     Links {

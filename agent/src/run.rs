@@ -153,19 +153,26 @@ pub async fn run(args: RunArgs) -> Result<()> {
         conntrack: args.map_conntrack.unwrap_or(config.map_sizes.conntrack),
         ..Default::default()
     };
-    let mut dp = Dataplane::load(&args.bpffs, sizes)?;
-    dp.xdp_mode = args.xdp_mode.unwrap_or_else(|| xdp_from_config(config.xdp.mode));
-    if !args.no_socket_lb && config.socket_lb.enabled {
-        let cg = match &args.cgroup {
-            Some(c) => c.clone(),
-            None => cgroup2_root()?,
-        };
-        if let Err(e) = dp.attach_socket_lb(&cg) {
+    let mut dp = match setup_dataplane(&args, &config, sizes) {
+        Ok(dp) => dp,
+        Err(e) => {
             metrics.error(ErrorKind::Attach);
+            tracing::error!("the eBPF dataplane cannot run on this node: {e:#}");
+            // In a cluster the node keeps reporting why it cannot route Services (Node
+            // condition, and through the leader the Network's lastError), instead of
+            // crash-looping where nobody reads the reason.
+            if let (SourceSpec::Kube, false) = (&args.source, args.node_name.is_empty()) {
+                state.update(|r| r.missing.push(format!("eBPF dataplane: {e:#}")));
+                let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
+                let reporting = status::Reporting::start(&args.status, client, &args.node_name, state.clone(), config.clone(), false).await?;
+                wait_for_shutdown(&state).await?;
+                reporting.stop().await;
+                endpoints.iter().for_each(|h| h.abort());
+                return Ok(());
+            }
             return Err(e);
         }
-        tracing::info!("socket LB attached to cgroup {} ({:?})", cg.display(), dp.links().last().map(|l| l.how));
-    }
+    };
     state.set_programs_loaded(true);
     let maps = dp.lb_maps()?;
     let lb = if args.reset { LbState::new() } else { LbState::adopt(&maps.dump()) };
@@ -177,6 +184,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
     let mut reporting = None;
+    let mut problem_events: Option<crate::events::ProblemEvents> = None;
     let src = match args.source.clone() {
         SourceSpec::Dir(d) => {
             if !d.is_dir() {
@@ -192,6 +200,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let r = status::Reporting::start(&args.status, client.clone(), &args.node_name, state.clone(), config.clone(), args.detach_on_exit);
                 reporting = Some(r.await?);
             }
+            problem_events = Some(crate::events::ProblemEvents::new(client.clone(), &args.node_name));
             tokio::spawn(source::kube::run(client, args.node_name.clone(), tx))
         }
     };
@@ -230,6 +239,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let t_flush = Instant::now();
                 let rep = pipeline.flush();
                 metrics.observe_flush(&rep, t_flush.elapsed());
+                if let Some(ev) = problem_events.as_mut() {
+                    ev.report(&rep.problems);
+                }
                 if rep.services > 0 {
                     metrics.observe_programming_latency(t0.elapsed());
                 }
@@ -309,6 +321,34 @@ pub async fn run(args: RunArgs) -> Result<()> {
     endpoints.iter().for_each(|e| e.abort());
     // Maps (and, without --detach-on-exit, links) stay pinned for the next run.
     Ok(())
+}
+
+/// Loads the programs and attaches socket LB (interfaces come later, from the link manager).
+fn setup_dataplane(args: &RunArgs, config: &crate::gardener::config::NetworkConfig, sizes: MapSizes) -> Result<Dataplane> {
+    let mut dp = Dataplane::load(&args.bpffs, sizes)?;
+    dp.xdp_mode = args.xdp_mode.unwrap_or_else(|| xdp_from_config(config.xdp.mode));
+    if !args.no_socket_lb && config.socket_lb.enabled {
+        let cg = match &args.cgroup {
+            Some(c) => c.clone(),
+            None => cgroup2_root()?,
+        };
+        dp.attach_socket_lb(&cg)?;
+        tracing::info!("socket LB attached to cgroup {} ({:?})", cg.display(), dp.links().last().map(|l| l.how));
+    }
+    Ok(dp)
+}
+
+/// Keeps /healthz alive until SIGTERM or Ctrl-C (degraded mode: nothing to program).
+async fn wait_for_shutdown(state: &AgentState) -> Result<()> {
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut beat = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = beat.tick() => state.beat(),
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = sigterm.recv() => return Ok(()),
+        }
+    }
 }
 
 /// Selected interfaces and whether gardenet's programs are on them: /readyz, the Node

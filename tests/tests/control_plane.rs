@@ -190,3 +190,44 @@ fn client_ip_affinity_on_both_paths() {
         agent.wait_backends(&format!("{VIP}:80/tcp"), 3).unwrap();
     }
 }
+
+#[test]
+fn health_readiness_and_metrics_endpoints() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    let extra = ["--health-addr", "127.0.0.1:9878", "--metrics-addr", "127.0.0.1:9878"].map(String::from).to_vec();
+    let agent = Agent::start(&lab, AgentOpts { socket_lb: true, tc: true, extra, ..Default::default() }, &web()).unwrap();
+    agent.wait_backends(&format!("{VIP}:80/tcp"), 3).unwrap();
+    let get = |path: &str| {
+        let mut cmd = lab.node.command(&lab.netkit, None).unwrap();
+        cmd.args(["http-get", "--to", "127.0.0.1:9878", "--path", path]);
+        let out = cmd.output().unwrap();
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    assert_eq!(get("/healthz")["status"], 200);
+    let mut r = serde_json::Value::Null;
+    for _ in 0..50 {
+        r = get("/readyz");
+        if r["status"] == 200 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(r["status"], 200, "ready after the first sync with every selected interface attached: {r}");
+    // Some traffic, then the counters.
+    lab.client_json(true, &["tcp", "--to", &format!("{VIP}:80"), "--count", "20"]).unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    let m = get("/metrics");
+    let text = m["body"].as_str().unwrap();
+    for needle in [
+        "gardenet_frontends 1",
+        "gardenet_backends 3",
+        "gardenet_interface_attached{interface=\"nc0\"} 1",
+        "gardenet_sync_duration_seconds",
+        "gardenet_network_programming_latency_seconds",
+        "gardenet_map_capacity",
+    ] {
+        assert!(text.contains(needle), "/metrics lacks {needle:?}:\n{text}");
+    }
+    assert!(text.contains("sock_translated"), "datapath counters exported:\n{text}");
+}

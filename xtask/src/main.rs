@@ -37,6 +37,14 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// End-to-end test in a real cluster: `kind` (needs Docker, kind and kubectl).
+    E2e {
+        /// Only `kind` for now.
+        which: String,
+        /// Keep the cluster afterwards (for debugging).
+        #[arg(long)]
+        keep: bool,
+    },
     /// Benchmarks that print tables: `dataplane` or `control-plane`.
     Bench {
         which: String,
@@ -66,6 +74,12 @@ fn main() -> Result<()> {
             build_ebpf(false)?;
             cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
             run(Command::new(root().join("target/debug/gardenet-demo")).args(args))
+        }
+        Cmd::E2e { which, keep } => {
+            if which != "kind" {
+                bail!("unknown e2e target {which:?}: kind");
+            }
+            e2e_kind(keep)
         }
         Cmd::Bench { which, args } => {
             let bin = match which.as_str() {
@@ -225,4 +239,81 @@ fn build_ebpf(dry_run: bool) -> Result<()> {
     }
     eprintln!("xtask: {} ({} bytes, with BTF)", obj.display(), bytes.len());
     Ok(())
+}
+
+const KIND_CLUSTER: &str = "gardenet-e2e";
+const E2E_IMAGE: &str = "gardenet-agent:e2e";
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn kubectl(args: &[&str]) -> Result<()> {
+    run(Command::new("kubectl").args(["--context", &format!("kind-{KIND_CLUSTER}")]).args(args))
+}
+
+/// Builds the image, creates a kind cluster without kube-proxy, deploys gardenet from
+/// `deploy/`, and checks that a ClusterIP Service (and cluster DNS, itself a Service) work.
+fn e2e_kind(keep: bool) -> Result<()> {
+    for tool in ["docker", "kind", "kubectl"] {
+        if !have(tool) {
+            bail!("`{tool}` is not installed; `cargo xtask e2e kind` needs Docker, kind and kubectl");
+        }
+    }
+    output(Command::new("docker").arg("info")).context("no Docker engine is reachable")?;
+    build_ebpf(false)?;
+    run(Command::new("docker").current_dir(root()).args(["build", "-f", "deploy/Dockerfile", "-t", E2E_IMAGE, "."]))?;
+
+    let cfg = std::env::temp_dir().join("gardenet-kind.yaml");
+    std::fs::write(
+        &cfg,
+        "kind: Cluster\napiVersion: kind.x-k8s.io/v1alpha4\nnetworking:\n  kubeProxyMode: \"none\"\nnodes:\n- role: control-plane\n- role: worker\n- role: worker\n",
+    )?;
+    let _ = Command::new("kind").args(["delete", "cluster", "--name", KIND_CLUSTER]).status();
+    run(Command::new("kind").args(["create", "cluster", "--name", KIND_CLUSTER, "--config"]).arg(&cfg))?;
+    let result = (|| -> Result<()> {
+        run(Command::new("kind").args(["load", "docker-image", E2E_IMAGE, "--name", KIND_CLUSTER]))?;
+        let deploy = root().join("deploy");
+        for f in ["crd-network.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml"] {
+            kubectl(&["apply", "-f", &deploy.join(f).display().to_string()])?;
+        }
+        // Nothing routes the `kubernetes` Service yet: the agent talks to the API server directly.
+        let api = output(Command::new("docker").args([
+            "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", &format!("{KIND_CLUSTER}-control-plane"),
+        ]))?;
+        kubectl(&["-n", "kube-system", "set", "image", "ds/gardenet-agent", &format!("*={E2E_IMAGE}")])?;
+        kubectl(&["-n", "kube-system", "set", "env", "ds/gardenet-agent", &format!("KUBERNETES_SERVICE_HOST={api}"), "KUBERNETES_SERVICE_PORT=6443"])?;
+        kubectl(&["-n", "kube-system", "rollout", "status", "ds/gardenet-agent", "--timeout=240s"])?;
+
+        // Smoke test: three echo backends behind a ClusterIP, reached by name (DNS is a
+        // Service too) from a client pod; every backend must answer.
+        kubectl(&["create", "deployment", "echo", "--image=registry.k8s.io/e2e-test-images/agnhost:2.53", "--replicas=3", "--", "/agnhost", "netexec", "--http-port=8080"])?;
+        kubectl(&["expose", "deployment", "echo", "--port=80", "--target-port=8080"])?;
+        kubectl(&["rollout", "status", "deployment/echo", "--timeout=180s"])?;
+        kubectl(&["-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=180s"])?;
+        let script = "for i in $(seq 1 60); do curl -s --max-time 2 http://echo.default.svc.cluster.local/hostname; echo; done";
+        let out = output(Command::new("kubectl").args([
+            "--context", &format!("kind-{KIND_CLUSTER}"), "run", "e2e-client", "--rm", "-i", "--restart=Never",
+            "--image=registry.k8s.io/e2e-test-images/agnhost:2.53", "--command", "--", "sh", "-c", script,
+        ]))?;
+        let mut seen: std::collections::BTreeMap<&str, u32> = Default::default();
+        for l in out.lines().map(str::trim).filter(|l| l.starts_with("echo-")) {
+            *seen.entry(l).or_default() += 1;
+        }
+        println!("answers per backend pod: {seen:?}");
+        if seen.len() < 3 {
+            bail!("expected answers from 3 backend pods through the ClusterIP, got {seen:?}");
+        }
+        kubectl(&["-n", "kube-system", "logs", "ds/gardenet-agent", "--tail=20"])?;
+        println!("e2e kind: OK");
+        Ok(())
+    })();
+    if !keep {
+        let _ = Command::new("kind").args(["delete", "cluster", "--name", KIND_CLUSTER]).status();
+    }
+    result
 }
