@@ -117,9 +117,15 @@ impl Dataplane {
             .map_max_entries(MAP_CT, sizes.conntrack)
             .map_max_entries(MAP_AFFINITY, sizes.affinity)
             .map_max_entries(MAP_AFFINITY_MATCH, sizes.affinity)
+            .map_max_entries(MAP_SERVICES6, sizes.services)
+            .map_max_entries(MAP_BACKENDS6, sizes.backends)
+            .map_max_entries(MAP_SOCK_REVNAT6, sizes.sock_revnat)
+            .map_max_entries(MAP_CT6, sizes.conntrack)
+            .map_max_entries(MAP_AFFINITY6, sizes.affinity)
+            .map_max_entries(MAP_AFFINITY_MATCH6, sizes.affinity)
             .load(EBPF_OBJECT)
             .context("loading the eBPF object (maps pinned with other sizes? start with --reset)")?;
-        for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4] {
+        for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4, PROG_CONNECT6, PROG_SENDMSG6, PROG_RECVMSG6, PROG_GETPEERNAME6] {
             let p: &mut CgroupSockAddr = prog_mut(&mut ebpf, name)?;
             p.load().with_context(|| format!("verifier rejected {name}"))?;
         }
@@ -204,6 +210,10 @@ impl Dataplane {
             (PROG_SENDMSG4, AttachType::Sendmsg4, "cgroup/sendmsg4"),
             (PROG_RECVMSG4, AttachType::Recvmsg4, "cgroup/recvmsg4"),
             (PROG_GETPEERNAME4, AttachType::Getpeername4, "cgroup/getpeername4"),
+            (PROG_CONNECT6, AttachType::Connect6, "cgroup/connect6"),
+            (PROG_SENDMSG6, AttachType::Sendmsg6, "cgroup/sendmsg6"),
+            (PROG_RECVMSG6, AttachType::Recvmsg6, "cgroup/recvmsg6"),
+            (PROG_GETPEERNAME6, AttachType::Getpeername6, "cgroup/getpeername6"),
         ] {
             self.attach_link(name, f.as_raw_fd() as u32, Target::Cgroup { id }, ty, hook, "cgroup")
                 .with_context(|| format!("cgroup {target}"))?;
@@ -274,10 +284,16 @@ impl Dataplane {
         let services = self.ebpf.take_map(MAP_SERVICES).context("no services map")?;
         let backends = self.ebpf.take_map(MAP_BACKENDS).context("no backends map")?;
         let matches = self.ebpf.take_map(MAP_AFFINITY_MATCH).context("no affinity match map")?;
+        let services6 = self.ebpf.take_map(MAP_SERVICES6).context("no IPv6 services map")?;
+        let backends6 = self.ebpf.take_map(MAP_BACKENDS6).context("no IPv6 backends map")?;
+        let matches6 = self.ebpf.take_map(MAP_AFFINITY_MATCH6).context("no IPv6 affinity match map")?;
         Ok(AyaLbMaps {
             services: BpfHashMap::try_from(services)?,
             backends: BpfHashMap::try_from(backends)?,
             matches: BpfHashMap::try_from(matches)?,
+            services6: BpfHashMap::try_from(services6)?,
+            backends6: BpfHashMap::try_from(backends6)?,
+            matches6: BpfHashMap::try_from(matches6)?,
         })
     }
 
@@ -366,11 +382,17 @@ pub struct AyaLbMaps {
     services: BpfHashMap<MapData, ServiceKey4, ServiceValue4>,
     backends: BpfHashMap<MapData, u32, Backend4>,
     matches: BpfHashMap<MapData, AffinityMatchKey4, u8>,
+    services6: BpfHashMap<MapData, ServiceKey6, ServiceValue4>,
+    backends6: BpfHashMap<MapData, u32, Backend6>,
+    matches6: BpfHashMap<MapData, AffinityMatchKey6, u8>,
 }
 
 impl AyaLbMaps {
     pub fn dump(&self) -> MapDump {
-        dump_maps(&self.services, &self.backends)
+        let mut d = dump_maps(&self.services, &self.backends);
+        d.services6 = self.services6.iter().filter_map(|r| r.ok()).collect();
+        d.backends6 = self.backends6.iter().filter_map(|r| r.ok()).collect();
+        d
     }
 }
 
@@ -409,6 +431,24 @@ impl LbMaps for AyaLbMaps {
     fn del_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError> {
         ignore_missing(self.matches.remove(key)).map_err(|e| map_err(MAP_AFFINITY_MATCH, format!("delete {key:?}"), e))
     }
+    fn put_backend6(&mut self, id: u32, be: &Backend6) -> Result<(), MapError> {
+        self.backends6.insert(id, be, 0).map_err(|e| map_err(MAP_BACKENDS6, format!("put backend {id}"), e))
+    }
+    fn del_backend6(&mut self, id: u32) -> Result<(), MapError> {
+        ignore_missing(self.backends6.remove(&id)).map_err(|e| map_err(MAP_BACKENDS6, format!("delete backend {id}"), e))
+    }
+    fn put_service6(&mut self, key: &ServiceKey6, val: &ServiceValue4) -> Result<(), MapError> {
+        self.services6.insert(key, val, 0).map_err(|e| map_err(MAP_SERVICES6, format!("put {key:?}"), e))
+    }
+    fn del_service6(&mut self, key: &ServiceKey6) -> Result<(), MapError> {
+        ignore_missing(self.services6.remove(key)).map_err(|e| map_err(MAP_SERVICES6, format!("delete {key:?}"), e))
+    }
+    fn put_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
+        self.matches6.insert(key, 1, 0).map_err(|e| map_err(MAP_AFFINITY_MATCH6, format!("put {key:?}"), e))
+    }
+    fn del_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
+        ignore_missing(self.matches6.remove(key)).map_err(|e| map_err(MAP_AFFINITY_MATCH6, format!("delete {key:?}"), e))
+    }
 }
 
 const MAP_SERVICES_NAME: &str = MAP_SERVICES;
@@ -421,6 +461,7 @@ fn dump_maps(
     MapDump {
         services: services.iter().filter_map(|r| r.ok()).collect(),
         backends: backends.iter().filter_map(|r| r.ok()).collect(),
+        ..Default::default()
     }
 }
 
@@ -433,12 +474,25 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
     };
     let services: BpfHashMap<MapData, ServiceKey4, ServiceValue4> = BpfHashMap::try_from(open(MAP_SERVICES)?)?;
     let backends: BpfHashMap<MapData, u32, Backend4> = BpfHashMap::try_from(open(MAP_BACKENDS)?)?;
-    Ok(dump_maps(&services, &backends))
+    let mut d = dump_maps(&services, &backends);
+    // Pins of an agent from before dual stack have no IPv6 maps: show IPv4 only then.
+    if pin_dir.join(MAP_SERVICES6).exists() {
+        let services6: BpfHashMap<MapData, ServiceKey6, ServiceValue4> = BpfHashMap::try_from(open(MAP_SERVICES6)?)?;
+        let backends6: BpfHashMap<MapData, u32, Backend6> = BpfHashMap::try_from(open(MAP_BACKENDS6)?)?;
+        d.services6 = services6.iter().filter_map(|r| r.ok()).collect();
+        d.backends6 = backends6.iter().filter_map(|r| r.ok()).collect();
+    }
+    Ok(d)
 }
 
 /// Number of entries in the pinned conntrack map (for `lb list` and metrics).
 pub fn conntrack_entries(pin_dir: &Path) -> Result<usize> {
     let data = MapData::from_pin(pin_dir.join(MAP_CT))?;
     let ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-    Ok(ct.keys().filter(|k| k.is_ok()).count())
+    let mut n = ct.keys().filter(|k| k.is_ok()).count();
+    if let Ok(data) = MapData::from_pin(pin_dir.join(MAP_CT6)) {
+        let ct6: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(data))?;
+        n += ct6.keys().filter(|k| k.is_ok()).count();
+    }
+    Ok(n)
 }

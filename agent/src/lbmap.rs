@@ -10,7 +10,12 @@
 //! in-memory map that checks that invariant after every single write.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use gardenet_common::{AffinityMatchKey4, Backend4, ServiceKey4, ServiceValue4, SVC_FLAG_NONE};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use gardenet_common::{
+    ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, ServiceKey4, ServiceKey6, ServiceValue4,
+    SVC_FLAG_NONE,
+};
 
 use crate::model::{Backend, Frontend, FrontendSpec, Proto};
 
@@ -34,6 +39,100 @@ pub trait LbMaps {
     /// Affinity match entries: "backend belongs to frontend" (only for frontends with affinity).
     fn put_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError>;
     fn del_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError>;
+
+    // IPv6 twins (GN_BE6, GN_SVC6, GN_AFFMATCH6). Backend ids share one id space with IPv4.
+    fn put_backend6(&mut self, id: u32, _be: &Backend6) -> Result<(), MapError> {
+        Err(no_v6(format!("put backend {id}")))
+    }
+    fn del_backend6(&mut self, id: u32) -> Result<(), MapError> {
+        Err(no_v6(format!("delete backend {id}")))
+    }
+    fn put_service6(&mut self, key: &ServiceKey6, _val: &ServiceValue4) -> Result<(), MapError> {
+        Err(no_v6(format!("put {key:?}")))
+    }
+    fn del_service6(&mut self, key: &ServiceKey6) -> Result<(), MapError> {
+        Err(no_v6(format!("delete {key:?}")))
+    }
+    fn put_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
+        Err(no_v6(format!("put {key:?}")))
+    }
+    fn del_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
+        Err(no_v6(format!("delete {key:?}")))
+    }
+}
+
+fn no_v6(op: String) -> MapError {
+    MapError::Other(format!("{op}: this map backend has no IPv6 maps"))
+}
+
+pub fn match_key6(fe: &ServiceKey6, backend_id: u32) -> AffinityMatchKey6 {
+    AffinityMatchKey6 { backend_id, addr: fe.addr, port: fe.port, proto: fe.proto, _pad: 0 }
+}
+
+/// A service-map key of either family: what the writer addresses a frontend's entries by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SvcKey {
+    V4(ServiceKey4),
+    V6(ServiceKey6),
+}
+
+impl SvcKey {
+    pub fn with_slot(self, slot: u16) -> Self {
+        match self {
+            SvcKey::V4(k) => SvcKey::V4(k.with_slot(slot)),
+            SvcKey::V6(k) => SvcKey::V6(k.with_slot(slot)),
+        }
+    }
+
+    fn put(&self, maps: &mut impl LbMaps, val: &ServiceValue4) -> Result<(), MapError> {
+        match self {
+            SvcKey::V4(k) => maps.put_service(k, val),
+            SvcKey::V6(k) => maps.put_service6(k, val),
+        }
+    }
+
+    fn del(&self, maps: &mut impl LbMaps) -> Result<(), MapError> {
+        match self {
+            SvcKey::V4(k) => maps.del_service(k),
+            SvcKey::V6(k) => maps.del_service6(k),
+        }
+    }
+
+    fn put_match(&self, maps: &mut impl LbMaps, id: u32) -> Result<(), MapError> {
+        match self {
+            SvcKey::V4(k) => maps.put_match(&match_key(k, id)),
+            SvcKey::V6(k) => maps.put_match6(&match_key6(k, id)),
+        }
+    }
+
+    fn del_match(&self, maps: &mut impl LbMaps, id: u32) -> Result<(), MapError> {
+        match self {
+            SvcKey::V4(k) => maps.del_match(&match_key(k, id)),
+            SvcKey::V6(k) => maps.del_match6(&match_key6(k, id)),
+        }
+    }
+}
+
+/// Service-map key of a frontend, in the map of its family.
+pub fn svc_key(fe: &Frontend) -> SvcKey {
+    match fe.addr {
+        IpAddr::V4(a) => SvcKey::V4(ServiceKey4::master(u32::from(a).to_be(), fe.port.to_be(), fe.proto.number())),
+        IpAddr::V6(a) => SvcKey::V6(ServiceKey6::master(ip6_from_octets(a.octets()), fe.port.to_be(), fe.proto.number())),
+    }
+}
+
+fn put_be(maps: &mut impl LbMaps, id: u32, b: &Backend, proto: Proto) -> Result<(), MapError> {
+    match b.addr {
+        IpAddr::V4(_) => maps.put_backend(id, &backend_value(b, proto)),
+        IpAddr::V6(_) => maps.put_backend6(id, &backend_value6(b, proto)),
+    }
+}
+
+fn del_be(maps: &mut impl LbMaps, id: u32, b: &Backend) -> Result<(), MapError> {
+    match b.addr {
+        IpAddr::V4(_) => maps.del_backend(id),
+        IpAddr::V6(_) => maps.del_backend6(id),
+    }
 }
 
 pub fn match_key(fe: &ServiceKey4, backend_id: u32) -> AffinityMatchKey4 {
@@ -80,16 +179,52 @@ pub struct LbState {
     next_id: u32,
 }
 
+/// `GN_SVC4` key of an IPv4 frontend (for an IPv6 one, use [`svc_key`]; this one then panics).
 pub fn service_key(fe: &Frontend) -> ServiceKey4 {
-    ServiceKey4::master(u32::from(fe.addr).to_be(), fe.port.to_be(), fe.proto.number())
+    match svc_key(fe) {
+        SvcKey::V4(k) => k,
+        SvcKey::V6(_) => panic!("service_key({fe}): IPv6 frontend, use svc_key"),
+    }
 }
 
+/// `GN_SVC6` key of an IPv6 frontend (panics for IPv4).
+pub fn service_key_v6(fe: &Frontend) -> ServiceKey6 {
+    match svc_key(fe) {
+        SvcKey::V6(k) => k,
+        SvcKey::V4(_) => panic!("service_key_v6({fe}): IPv4 frontend, use service_key"),
+    }
+}
+
+fn v4_of(a: IpAddr) -> Ipv4Addr {
+    match a {
+        IpAddr::V4(a) => a,
+        IpAddr::V6(a) => a.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED),
+    }
+}
+
+fn v6_of(a: IpAddr) -> Ipv6Addr {
+    match a {
+        IpAddr::V4(a) => a.to_ipv6_mapped(),
+        IpAddr::V6(a) => a,
+    }
+}
+
+/// `GN_BE4` value of an IPv4 backend.
 pub fn backend_value(be: &Backend, proto: Proto) -> Backend4 {
-    Backend4 { addr: u32::from(be.addr).to_be(), port: be.port.to_be(), proto: proto.number(), flags: 0 }
+    Backend4 { addr: u32::from(v4_of(be.addr)).to_be(), port: be.port.to_be(), proto: proto.number(), flags: 0 }
+}
+
+/// `GN_BE6` value of an IPv6 backend.
+pub fn backend_value6(be: &Backend, proto: Proto) -> Backend6 {
+    Backend6 { addr: ip6_from_octets(v6_of(be.addr).octets()), port: be.port.to_be(), proto: proto.number(), flags: 0 }
 }
 
 pub fn backend_from_value(v: &Backend4) -> Backend {
-    Backend { addr: u32::from_be(v.addr).into(), port: u16::from_be(v.port) }
+    Backend { addr: Ipv4Addr::from(u32::from_be(v.addr)).into(), port: u16::from_be(v.port) }
+}
+
+pub fn backend_from_value6(v: &Backend6) -> Backend {
+    Backend { addr: Ipv6Addr::from(ip6_octets(v.addr)).into(), port: u16::from_be(v.port) }
 }
 
 /// A dump of the maps as the kernel has them (for adoption after a restart, and `lb list`).
@@ -97,6 +232,53 @@ pub fn backend_from_value(v: &Backend4) -> Backend {
 pub struct MapDump {
     pub services: Vec<(ServiceKey4, ServiceValue4)>,
     pub backends: Vec<(u32, Backend4)>,
+    pub services6: Vec<(ServiceKey6, ServiceValue4)>,
+    pub backends6: Vec<(u32, Backend6)>,
+}
+
+/// A frontend's identity in the maps, either family (addr as IpAddr, port host order).
+type FeId = (IpAddr, u16, u8);
+
+/// Both families' service entries and backends in one family-neutral shape.
+struct Flat {
+    masters: BTreeMap<FeId, ServiceValue4>,
+    slots: HashMap<FeId, BTreeMap<u16, u32>>,
+    be4: HashMap<u32, Backend>,
+    be6: HashMap<u32, Backend>,
+}
+
+impl Flat {
+    fn of(d: &MapDump) -> Flat {
+        let mut masters = BTreeMap::new();
+        let mut slots: HashMap<FeId, BTreeMap<u16, u32>> = HashMap::new();
+        let mut add = |id: FeId, slot: u16, v: &ServiceValue4| {
+            if slot == 0 {
+                masters.insert(id, *v);
+            } else {
+                slots.entry(id).or_default().insert(slot, v.backend_id);
+            }
+        };
+        for (k, v) in &d.services {
+            add((Ipv4Addr::from(u32::from_be(k.addr)).into(), u16::from_be(k.port), k.proto), k.slot, v);
+        }
+        for (k, v) in &d.services6 {
+            add((Ipv6Addr::from(ip6_octets(k.addr)).into(), u16::from_be(k.port), k.proto), k.slot, v);
+        }
+        Flat {
+            masters,
+            slots,
+            be4: d.backends.iter().map(|(id, b)| (*id, backend_from_value(b))).collect(),
+            be6: d.backends6.iter().map(|(id, b)| (*id, backend_from_value6(b))).collect(),
+        }
+    }
+
+    fn backends_of(&self, addr: &IpAddr) -> &HashMap<u32, Backend> {
+        if addr.is_ipv4() { &self.be4 } else { &self.be6 }
+    }
+
+    fn slot(&self, id: &FeId, slot: u16) -> Option<u32> {
+        self.slots.get(id).and_then(|s| s.get(&slot)).copied()
+    }
 }
 
 /// One frontend as found in the maps.
@@ -110,29 +292,20 @@ pub struct DumpedFrontend {
 }
 
 impl MapDump {
-    /// Groups the raw entries per frontend, in frontend order.
+    /// Groups the raw entries per frontend, in frontend order (IPv4 first).
     pub fn frontends(&self) -> Vec<DumpedFrontend> {
-        let bes: HashMap<u32, Backend4> = self.backends.iter().copied().collect();
-        let mut slots: BTreeMap<(u32, u16, u8), BTreeMap<u16, u32>> = BTreeMap::new();
-        let mut masters = BTreeMap::new();
-        for (k, v) in &self.services {
-            let id = (k.addr, k.port, k.proto);
-            if k.slot == 0 {
-                masters.insert(id, *v);
-            } else {
-                slots.entry(id).or_default().insert(k.slot, v.backend_id);
-            }
-        }
+        let flat = Flat::of(self);
         let mut out = Vec::new();
-        for ((addr, port, proto), m) in masters {
+        for (id, m) in &flat.masters {
+            let (addr, port, proto) = *id;
             let Some(proto_e) = Proto::from_number(proto) else { continue };
-            let frontend = Frontend { addr: u32::from_be(addr).into(), port: u16::from_be(port), proto: proto_e };
+            let frontend = Frontend { addr, port, proto: proto_e };
+            let bes = flat.backends_of(&addr);
             let mut backends = Vec::new();
             let mut dangling = 0;
-            let sl = slots.get(&(addr, port, proto));
             for s in 1..=m.count {
-                match sl.and_then(|sl| sl.get(&s)).and_then(|id| bes.get(id)) {
-                    Some(b) => backends.push(backend_from_value(b)),
+                match flat.slot(id, s).and_then(|bid| bes.get(&bid)) {
+                    Some(b) => backends.push(*b),
                     None => dangling += 1,
                 }
             }
@@ -152,25 +325,21 @@ impl LbState {
     /// cleaned up by the first full sync (a frontend not in the desired state is deleted).
     pub fn adopt(dump: &MapDump) -> Self {
         let mut st = LbState::new();
-        let bes: HashMap<u32, Backend4> = dump.backends.iter().copied().collect();
-        let mut slots: HashMap<ServiceKey4, u32> = HashMap::new();
-        for (k, v) in &dump.services {
-            if k.slot != 0 {
-                slots.insert(*k, v.backend_id);
-            }
-        }
-        let max_id = dump.backends.iter().map(|(id, _)| *id).max().unwrap_or(0);
+        let flat = Flat::of(dump);
+        let max_id = dump.backends.iter().map(|(id, _)| *id).chain(dump.backends6.iter().map(|(id, _)| *id)).max().unwrap_or(0);
         st.next_id = max_id.wrapping_add(1).max(1);
-        for (k, v) in dump.services.iter().filter(|(k, _)| k.slot == 0) {
-            let Some(proto) = Proto::from_number(k.proto) else { continue };
-            let fe = Frontend { addr: u32::from_be(k.addr).into(), port: u16::from_be(k.port), proto };
+        for (fid, v) in &flat.masters {
+            let (addr, port, proto) = *fid;
+            let Some(proto) = Proto::from_number(proto) else { continue };
+            let fe = Frontend { addr, port, proto };
+            let bes = flat.backends_of(&addr);
             let mut ids = Vec::new();
             for s in 1..=v.count {
-                let Some(id) = slots.get(&k.with_slot(s)) else { break };
-                if !bes.contains_key(id) {
+                let Some(id) = flat.slot(fid, s) else { break };
+                if !bes.contains_key(&id) {
                     break;
                 }
-                ids.push(*id);
+                ids.push(id);
             }
             if ids.len() != v.count as usize {
                 // Inconsistent: forget the frontend; the sync reprograms it from scratch
@@ -178,7 +347,7 @@ impl LbState {
                 continue;
             }
             for id in &ids {
-                let k = (backend_from_value(&bes[id]), proto);
+                let k = (bes[id], proto);
                 st.backends.entry(k).or_insert(*id);
                 st.by_id.entry(*id).or_insert((k, 0)).1 += 1;
             }
@@ -222,7 +391,7 @@ impl LbState {
 
     fn forget_created(&mut self, maps: &mut impl LbMaps, created: Vec<(BeKey, u32)>) {
         for (k, id) in created {
-            let _ = maps.del_backend(id);
+            let _ = del_be(maps, id, &k.0);
             self.backends.remove(&k);
             self.by_id.remove(&id);
         }
@@ -255,7 +424,7 @@ impl LbState {
                 continue;
             }
             let id = self.alloc_id();
-            if let Err(e) = maps.put_backend(id, &backend_value(b, fe.proto)) {
+            if let Err(e) = put_be(maps, id, b, fe.proto) {
                 self.forget_created(maps, created);
                 return Err(e);
             }
@@ -270,7 +439,7 @@ impl LbState {
         //    close remaining holes from the tail: one backend change costs O(1) slot writes.
         let old_slots = old.as_ref().map(|o| o.slots.clone()).unwrap_or_default();
         let new_slots = plan_slots(&old_slots, &ids);
-        let key = service_key(fe);
+        let key = svc_key(fe);
         let mut written: Vec<u16> = Vec::new();
         for (i, id) in new_slots.iter().enumerate() {
             if old_slots.get(i) == Some(id) {
@@ -278,7 +447,7 @@ impl LbState {
             }
             let slot = (i + 1) as u16;
             let val = ServiceValue4 { backend_id: *id, ..Default::default() };
-            if let Err(e) = maps.put_service(&key.with_slot(slot), &val) {
+            if let Err(e) = key.with_slot(slot).put(maps, &val) {
                 self.rollback_slots(maps, &key, &old_slots, &written);
                 self.forget_created(maps, created);
                 return Err(e);
@@ -294,7 +463,7 @@ impl LbState {
         };
         if spec.affinity_timeout > 0 {
             for id in new_slots.iter().filter(|id| !old_matched.contains(id)) {
-                if let Err(e) = maps.put_match(&match_key(&key, *id)) {
+                if let Err(e) = key.put_match(maps, *id) {
                     self.rollback_slots(maps, &key, &old_slots, &written);
                     self.forget_created(maps, created);
                     return Err(e);
@@ -310,7 +479,7 @@ impl LbState {
             flags: SVC_FLAG_NONE,
             affinity_timeout: spec.affinity_timeout,
         };
-        if let Err(e) = maps.put_service(&key, &master) {
+        if let Err(e) = key.put(maps, &master) {
             self.rollback_slots(maps, &key, &old_slots, &written);
             self.forget_created(maps, created);
             return Err(e);
@@ -322,13 +491,13 @@ impl LbState {
         //    reference; log and carry on.
         let keep: BTreeSet<u32> = if spec.affinity_timeout > 0 { new_slots.iter().copied().collect() } else { BTreeSet::new() };
         for id in old_matched.difference(&keep) {
-            match maps.del_match(&match_key(&key, *id)) {
+            match key.del_match(maps, *id) {
                 Ok(()) => w.deletes += 1,
                 Err(e) => tracing::warn!("{fe}: deleting affinity match {id}: {e}"),
             }
         }
         for slot in new_slots.len() + 1..=old_slots.len() {
-            match maps.del_service(&key.with_slot(slot as u16)) {
+            match key.with_slot(slot as u16).del(maps) {
                 Ok(()) => w.deletes += 1,
                 Err(e) => tracing::warn!("{fe}: deleting surplus slot {slot}: {e}"),
             }
@@ -347,20 +516,20 @@ impl LbState {
     pub fn delete(&mut self, maps: &mut impl LbMaps, fe: &Frontend) -> Result<Writes, MapError> {
         let mut w = Writes::default();
         let Some(old) = self.frontends.get(fe).cloned() else { return Ok(w) };
-        let key = service_key(fe);
-        maps.del_service(&key)?;
+        let key = svc_key(fe);
+        key.del(maps)?;
         w.deletes += 1;
         self.frontends.remove(fe);
         if old.affinity_timeout > 0 {
             for id in &old.slots {
-                match maps.del_match(&match_key(&key, *id)) {
+                match key.del_match(maps, *id) {
                     Ok(()) => w.deletes += 1,
                     Err(e) => tracing::warn!("{fe}: deleting affinity match {id}: {e}"),
                 }
             }
         }
         for slot in 1..=old.slots.len() {
-            match maps.del_service(&key.with_slot(slot as u16)) {
+            match key.with_slot(slot as u16).del(maps) {
                 Ok(()) => w.deletes += 1,
                 Err(e) => tracing::warn!("{fe}: deleting slot {slot}: {e}"),
             }
@@ -385,7 +554,7 @@ impl LbState {
             *refs = refs.saturating_sub(1);
             if *refs == 0 {
                 let k = *k;
-                match maps.del_backend(*id) {
+                match del_be(maps, *id, &k.0) {
                     Ok(()) => n += 1,
                     Err(err) => tracing::warn!("deleting backend {id}: {err}"),
                 }
@@ -396,12 +565,12 @@ impl LbState {
         n
     }
 
-    fn rollback_slots(&self, maps: &mut impl LbMaps, key: &ServiceKey4, old: &[u32], written: &[u16]) {
+    fn rollback_slots(&self, maps: &mut impl LbMaps, key: &SvcKey, old: &[u32], written: &[u16]) {
         for slot in written {
             let i = *slot as usize - 1;
             let r = match old.get(i) {
-                Some(id) => maps.put_service(&key.with_slot(*slot), &ServiceValue4 { backend_id: *id, ..Default::default() }),
-                None => maps.del_service(&key.with_slot(*slot)),
+                Some(id) => key.with_slot(*slot).put(maps, &ServiceValue4 { backend_id: *id, ..Default::default() }),
+                None => key.with_slot(*slot).del(maps),
             };
             if let Err(e) = r {
                 tracing::warn!("rollback of slot {slot}: {e}");
@@ -453,6 +622,9 @@ pub struct MemMaps {
     pub services: HashMap<ServiceKey4, ServiceValue4>,
     pub backends: HashMap<u32, Backend4>,
     pub matches: BTreeSet<(u32, u32, u16, u8)>,
+    pub services6: HashMap<ServiceKey6, ServiceValue4>,
+    pub backends6: HashMap<u32, Backend6>,
+    pub matches6: BTreeSet<AffinityMatchKey6>,
     pub max_services: Option<usize>,
     pub max_backends: Option<usize>,
     pub check_invariant: bool,
@@ -468,6 +640,8 @@ impl MemMaps {
         MapDump {
             services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
             backends: self.backends.iter().map(|(k, v)| (*k, *v)).collect(),
+            services6: self.services6.iter().map(|(k, v)| (*k, *v)).collect(),
+            backends6: self.backends6.iter().map(|(k, v)| (*k, *v)).collect(),
         }
     }
 
@@ -488,6 +662,22 @@ impl MemMaps {
         for (id, addr, port, proto) in &self.matches {
             if !self.backends.contains_key(id) {
                 v.push(format!("affinity match for {addr}:{port}/{proto} -> missing backend {id}"));
+            }
+        }
+        for (k, m) in self.services6.iter().filter(|(k, _)| k.slot == 0) {
+            for s in 1..=m.count {
+                match self.services6.get(&k.with_slot(s)) {
+                    None => v.push(format!("{k:?}: slot {s} missing")),
+                    Some(sv) if !self.backends6.contains_key(&sv.backend_id) => {
+                        v.push(format!("{k:?}: slot {s} -> missing IPv6 backend {}", sv.backend_id))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for k in &self.matches6 {
+            if !self.backends6.contains_key(&k.backend_id) {
+                v.push(format!("affinity match {k:?} -> missing IPv6 backend {}", k.backend_id));
             }
         }
         v
@@ -536,6 +726,42 @@ impl LbMaps for MemMaps {
     }
     fn del_match(&mut self, k: &AffinityMatchKey4) -> Result<(), MapError> {
         self.matches.remove(&(k.backend_id, k.addr, k.port, k.proto));
+        self.after_write();
+        Ok(())
+    }
+    fn put_backend6(&mut self, id: u32, be: &Backend6) -> Result<(), MapError> {
+        if !self.backends6.contains_key(&id) && self.max_backends.is_some_and(|m| self.backends6.len() >= m) {
+            return Err(MapError::Full { map: "backends6", op: format!("put {id}") });
+        }
+        self.backends6.insert(id, *be);
+        self.after_write();
+        Ok(())
+    }
+    fn del_backend6(&mut self, id: u32) -> Result<(), MapError> {
+        self.backends6.remove(&id);
+        self.after_write();
+        Ok(())
+    }
+    fn put_service6(&mut self, key: &ServiceKey6, val: &ServiceValue4) -> Result<(), MapError> {
+        if !self.services6.contains_key(key) && self.max_services.is_some_and(|m| self.services6.len() >= m) {
+            return Err(MapError::Full { map: "services6", op: format!("put {key:?}") });
+        }
+        self.services6.insert(*key, *val);
+        self.after_write();
+        Ok(())
+    }
+    fn del_service6(&mut self, key: &ServiceKey6) -> Result<(), MapError> {
+        self.services6.remove(key);
+        self.after_write();
+        Ok(())
+    }
+    fn put_match6(&mut self, k: &AffinityMatchKey6) -> Result<(), MapError> {
+        self.matches6.insert(*k);
+        self.after_write();
+        Ok(())
+    }
+    fn del_match6(&mut self, k: &AffinityMatchKey6) -> Result<(), MapError> {
+        self.matches6.remove(k);
         self.after_write();
         Ok(())
     }
@@ -724,6 +950,107 @@ mod tests {
         assert_eq!(plan_slots(&[], &[5, 6]), vec![5, 6]);
         assert_eq!(plan_slots(&[5, 6], &[]), Vec::<u32>::new());
         assert_eq!(plan_slots(&[1, 2, 3, 4, 5], &[5]), vec![5]);
+    }
+
+    fn fe6(port: u16) -> Frontend {
+        Frontend { addr: "fd00:19::10".parse().unwrap(), port, proto: Proto::Tcp }
+    }
+    fn be6(last: u8) -> Backend {
+        Backend { addr: format!("fd00:18:1::{last:x}").parse().unwrap(), port: 8080 }
+    }
+    fn spec6(bs: &[u8]) -> FrontendSpec {
+        FrontendSpec { backends: bs.iter().map(|b| be6(*b)).collect(), affinity_timeout: 0 }
+    }
+
+    #[test]
+    fn v6_keys_and_backends_are_in_network_order() {
+        let k = service_key_v6(&fe6(80));
+        let mut bytes = Vec::new();
+        for w in k.addr {
+            bytes.extend_from_slice(&w.to_ne_bytes());
+        }
+        assert_eq!(bytes, "fd00:19::10".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        assert_eq!(k.port, 80u16.to_be());
+        assert_eq!((k.proto, k.slot), (6, 0));
+        assert_eq!(svc_key(&fe6(80)), SvcKey::V6(k));
+        assert!(matches!(svc_key(&fe(80)), SvcKey::V4(_)));
+        let b = backend_value6(&be6(0x10), Proto::Udp);
+        assert_eq!(b.addr[0].to_ne_bytes(), [0xfd, 0x00, 0x00, 0x18]);
+        assert_eq!(b.addr[3].to_ne_bytes(), [0, 0, 0, 0x10]);
+        assert_eq!((b.port, b.proto), (8080u16.to_be(), 17));
+        assert_eq!(backend_from_value6(&b), be6(0x10));
+    }
+
+    #[test]
+    fn v6_frontends_go_to_the_v6_maps_make_before_break() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let shapes: [&[u8]; 7] = [&[1], &[1, 2, 3], &[3], &[], &[4, 5, 6, 7], &[1, 7], &[2, 3, 4, 5, 6, 7, 8, 9]];
+        for s in shapes {
+            st.upsert(&mut m, &fe6(80), &spec6(s)).unwrap();
+            st.upsert(&mut m, &fe(80), &spec(s)).unwrap();
+            assert_eq!(programmed(&m, &fe6(80)), spec6(s).backends);
+            assert_eq!(programmed(&m, &fe(80)), spec(s).backends);
+            assert_eq!(m.services6[&service_key_v6(&fe6(80))].count as usize, s.len());
+        }
+        // Separate maps, one id space.
+        assert!(m.backends.keys().all(|id| !m.backends6.contains_key(id)));
+        assert_eq!(m.services.len(), m.services6.len());
+        st.delete(&mut m, &fe6(80)).unwrap();
+        assert!(m.services6.is_empty() && m.backends6.is_empty());
+        assert_eq!(programmed(&m, &fe(80)).len(), 8, "IPv4 untouched");
+        st.delete(&mut m, &fe(80)).unwrap();
+        assert!(m.services.is_empty() && m.backends.is_empty());
+    }
+
+    #[test]
+    fn v6_removing_one_backend_costs_constant_writes() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let all: Vec<u8> = (1..=100).collect();
+        st.upsert(&mut m, &fe6(80), &spec6(&all)).unwrap();
+        let fewer: Vec<u8> = (1..=100).filter(|b| *b != 7).collect();
+        let w = st.upsert(&mut m, &fe6(80), &spec6(&fewer)).unwrap();
+        assert!(w.total() <= 4, "{w:?}");
+        assert!(!programmed(&m, &fe6(80)).contains(&be6(7)));
+    }
+
+    #[test]
+    fn v6_full_map_rolls_back_and_adopt_restores_both_families() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        st.upsert(&mut m, &fe6(80), &spec6(&[1, 2])).unwrap();
+        st.upsert(&mut m, &fe(80), &spec(&[1, 2])).unwrap();
+        m.max_services = Some(m.services6.len() + 1);
+        assert!(matches!(st.upsert(&mut m, &fe6(80), &spec6(&[1, 2, 3, 4])), Err(MapError::Full { .. })));
+        assert_eq!(programmed(&m, &fe6(80)), vec![be6(1), be6(2)]);
+        assert_eq!(m.backends6.len(), 2);
+        m.max_services = None;
+        let mut adopted = LbState::adopt(&m.dump());
+        assert_eq!(adopted.frontend_count(), 2);
+        assert_eq!(adopted.backend_count(), 4);
+        assert_eq!(adopted.upsert(&mut m, &fe6(80), &spec6(&[1, 2])).unwrap().total(), 0);
+        let ids: BTreeSet<u32> = m.backends.keys().chain(m.backends6.keys()).copied().collect();
+        adopted.upsert(&mut m, &fe6(81), &spec6(&[9])).unwrap();
+        let new_id = *m.backends6.keys().find(|k| !ids.contains(k)).unwrap();
+        assert!(new_id > *ids.iter().max().unwrap(), "ids continue after both families' maxima");
+        let d = m.dump().frontends();
+        assert_eq!(d.iter().map(|d| d.frontend.to_string()).collect::<Vec<_>>(), ["10.96.0.10:80/tcp", "[fd00:19::10]:80/tcp", "[fd00:19::10]:81/tcp"]);
+    }
+
+    #[test]
+    fn v6_affinity_match_entries_follow_membership() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let aff = |bs: &[u8]| FrontendSpec { affinity_timeout: 60, ..spec6(bs) };
+        st.upsert(&mut m, &fe6(80), &aff(&[1, 2, 3])).unwrap();
+        assert_eq!(m.matches6.len(), 3);
+        assert!(m.matches.is_empty());
+        st.upsert(&mut m, &fe6(80), &aff(&[1, 3])).unwrap();
+        let ids: BTreeSet<u32> = m.matches6.iter().map(|k| k.backend_id).collect();
+        assert_eq!(ids, m.backends6.keys().copied().collect());
+        st.delete(&mut m, &fe6(80)).unwrap();
+        assert!(m.matches6.is_empty() && m.backends6.is_empty());
     }
 
     #[test]

@@ -1,6 +1,11 @@
 //! The desired dataplane state: frontends and the backends behind them. Sources and
 //! translation produce it; the map writer (`lbmap`) programs it.
-use std::{collections::BTreeMap, fmt, net::Ipv4Addr, str::FromStr};
+use std::{
+    collections::BTreeMap,
+    fmt,
+    net::{IpAddr, SocketAddr},
+    str::FromStr,
+};
 
 use gardenet_common::{PROTO_TCP, PROTO_UDP};
 use serde::{Deserialize, Serialize};
@@ -42,14 +47,15 @@ impl fmt::Display for Proto {
 /// and a protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Frontend {
-    pub addr: Ipv4Addr,
+    /// IPv4 or IPv6 (the address family selects the v4 or v6 maps).
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: Proto,
 }
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.proto)
+        write!(f, "{}/{}", SocketAddr::new(self.addr, self.port), self.proto)
     }
 }
 
@@ -71,22 +77,25 @@ impl FromStr for Frontend {
 /// A backend endpoint. Its protocol is the frontend's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Backend {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
 }
 
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.addr, self.port)
+        write!(f, "{}", SocketAddr::new(self.addr, self.port))
     }
 }
 
-/// Parses `ADDR:PORT`; port 0 is rejected (it can never be dialled).
+/// Parses `ADDR:PORT` or `[IPV6]:PORT`; port 0 is rejected (it can never be dialled).
 impl FromStr for Backend {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let (a, p) = s.rsplit_once(':').ok_or_else(|| format!("{s:?}: expected ADDR:PORT"))?;
-        let addr = a.parse().map_err(|e| format!("{s:?}: bad IPv4 address: {e}"))?;
+        let addr: IpAddr = match a.strip_prefix('[').and_then(|a| a.strip_suffix(']')) {
+            Some(v6) => IpAddr::V6(v6.parse().map_err(|e| format!("{s:?}: bad IPv6 address: {e}"))?),
+            None => IpAddr::V4(a.parse().map_err(|e| format!("{s:?}: bad IPv4 address (IPv6 goes in brackets): {e}"))?),
+        };
         let port: u16 = p.parse().map_err(|_| format!("{s:?}: port must be 1-65535"))?;
         if port == 0 {
             return Err(format!("{s:?}: port must be 1-65535"));
@@ -106,3 +115,31 @@ pub struct FrontendSpec {
 
 /// The whole desired state.
 pub type Desired = BTreeMap<Frontend, FrontendSpec>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frontends_of_both_families_parse_and_print() {
+        for (s, shown) in [
+            ("10.96.0.10:80/tcp", "10.96.0.10:80/tcp"),
+            ("10.96.0.10:53/udp", "10.96.0.10:53/udp"),
+            ("[fd00::10]:80/tcp", "[fd00::10]:80/tcp"),
+            ("[fd00:19:0::10]:53/udp", "[fd00:19::10]:53/udp"),
+            ("[fd00::10]:80", "[fd00::10]:80/tcp"),
+        ] {
+            let fe: Frontend = s.parse().unwrap();
+            assert_eq!(fe.to_string(), shown);
+            assert_eq!(fe.to_string().parse::<Frontend>().unwrap(), fe);
+        }
+        let fe: Frontend = "[fd00::10]:80/tcp".parse().unwrap();
+        assert!(fe.addr.is_ipv6());
+        assert!("fd00::10:80".parse::<Frontend>().is_err(), "IPv6 needs brackets");
+        assert!("[10.0.0.1]:80".parse::<Backend>().is_err());
+        assert!("[fd00::1]:0".parse::<Backend>().is_err());
+        let b: Backend = "[fd00:18:1::10]:8080".parse().unwrap();
+        assert_eq!(b.to_string(), "[fd00:18:1::10]:8080");
+        assert_eq!(serde_json::to_value(b).unwrap()["addr"], "fd00:18:1::10");
+    }
+}

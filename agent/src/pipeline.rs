@@ -290,7 +290,7 @@ impl<M: LbMaps> Pipeline<M> {
     }
 }
 
-/// Node addresses (InternalIP and ExternalIP, IPv4) and zone label.
+/// Node addresses (InternalIP and ExternalIP, IPv4 and IPv6) and zone label.
 pub fn node_info(n: &k8s_openapi::api::core::v1::Node) -> NodeInfo {
     let mut addresses = Vec::new();
     for a in n.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten() {

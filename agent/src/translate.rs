@@ -1,6 +1,6 @@
 //! Service + EndpointSlices (+ this node) -> frontends and their backends, the way kube-proxy
 //! reads them. Pure: no I/O, unit-tested.
-use std::{collections::BTreeSet, net::Ipv4Addr};
+use std::{collections::BTreeSet, net::IpAddr};
 
 use k8s_openapi::api::{
     core::v1::{Service, ServicePort},
@@ -23,8 +23,8 @@ pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
 #[derive(Clone, Debug, Default)]
 pub struct NodeInfo {
     pub name: String,
-    /// IPv4 addresses NodePorts are served on.
-    pub addresses: Vec<Ipv4Addr>,
+    /// Addresses (IPv4 and IPv6) NodePorts are served on, for the Service's families.
+    pub addresses: Vec<IpAddr>,
     pub zone: Option<String>,
 }
 
@@ -99,30 +99,60 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
         return out;
     }
 
-    let mut vips: Vec<Ipv4Addr> = Vec::new();
+    // The families this Service has: `ipFamilies` (the API server always fills it in), else
+    // the families of its cluster IPs. Addresses of other families are not served.
+    let mut families: Vec<bool> = Vec::new(); // true = IPv4
+    for f in spec.ip_families.iter().flatten() {
+        match f.as_str() {
+            "IPv4" => families.push(true),
+            "IPv6" => families.push(false),
+            other => problem(&mut out, format!("ipFamilies: unknown family {other:?}")),
+        }
+    }
+    let mut vips: Vec<IpAddr> = Vec::new();
     for ip in &cluster_ips {
-        match ip.parse::<std::net::IpAddr>() {
-            Ok(std::net::IpAddr::V4(a)) => vips.push(a),
-            Ok(std::net::IpAddr::V6(_)) => problem(&mut out, format!("clusterIP {ip}: IPv6 is not supported by this dataplane yet")),
+        match ip.parse::<IpAddr>() {
+            Ok(a) => vips.push(a),
             Err(_) => problem(&mut out, format!("clusterIP {ip:?} is not an IP address")),
         }
     }
-    let mut external: Vec<Ipv4Addr> = Vec::new();
+    if families.is_empty() {
+        families = vips.iter().map(|a| a.is_ipv4()).collect();
+    }
+    let served = |a: &IpAddr| families.is_empty() || families.contains(&a.is_ipv4());
+    let fam_name = |a: &IpAddr| if a.is_ipv4() { "IPv4" } else { "IPv6" };
+    let keep = |out: &mut Translated, what: &str, a: IpAddr, list: &mut Vec<IpAddr>| {
+        if served(&a) {
+            list.push(a);
+        } else {
+            out.problems.push(Problem { service: key.clone(), message: format!("{what} {a}: {} is not in the Service's ipFamilies (skipped)", fam_name(&a)) });
+        }
+    };
+    let all_vips = std::mem::take(&mut vips);
+    for a in all_vips {
+        keep(&mut out, "clusterIP", a, &mut vips);
+    }
+    let mut external: Vec<IpAddr> = Vec::new();
     for ip in spec.external_ips.iter().flatten() {
-        match ip.parse::<Ipv4Addr>() {
-            Ok(a) => external.push(a),
-            Err(_) => problem(&mut out, format!("externalIP {ip:?} is not an IPv4 address")),
+        match ip.parse::<IpAddr>() {
+            Ok(a) => keep(&mut out, "externalIP", a, &mut external),
+            Err(_) => problem(&mut out, format!("externalIP {ip:?} is not an IP address")),
         }
     }
     let lb_ips = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
     for ing in lb_ips.into_iter().flatten() {
         if let Some(ip) = &ing.ip {
-            match ip.parse::<Ipv4Addr>() {
-                Ok(a) => external.push(a),
-                Err(_) => problem(&mut out, format!("loadBalancer ingress {ip:?} is not an IPv4 address")),
+            match ip.parse::<IpAddr>() {
+                Ok(a) => keep(&mut out, "loadBalancer ingress", a, &mut external),
+                Err(_) => problem(&mut out, format!("loadBalancer ingress {ip:?} is not an IP address")),
             }
         }
     }
+    // NodePorts on the node's addresses of the Service's families.
+    let node_addrs: Vec<IpAddr> = node.addresses.iter().copied().filter(|a| served(a)).collect();
+    // Health checks count the local endpoints of the primary family (a dual-stack pod has one
+    // address per family).
+    let primary_v4 = families.first().copied().unwrap_or(true);
 
     let affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
         spec.session_affinity_config
@@ -158,17 +188,27 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
             continue;
         };
         let cands = endpoints_for(sp, proto, slices, &mut out, &key);
-        let local = pick(cands.iter().filter(|c| c.node.as_deref() == Some(node.name.as_str()) && !node.name.is_empty()));
-        local_total.extend(local.iter().copied());
-        let cluster = match node.zone.as_deref() {
-            // Hints are used only when every endpoint has them and some are for our zone.
-            Some(z) if topology && cands.iter().all(|c| c.zones.is_some()) && cands.iter().any(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))) => {
-                pick(cands.iter().filter(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))))
+        // Per family: [IPv4, IPv6] x (internal, external). A frontend only gets backends of
+        // its own family (no NAT46/64).
+        let mut specs: Vec<(FrontendSpec, FrontendSpec)> = Vec::with_capacity(2);
+        for v4 in [true, false] {
+            let fam: Vec<&Candidate> = cands.iter().filter(|c| c.backend.addr.is_ipv4() == v4).collect();
+            let local = pick(fam.iter().copied().filter(|c| c.node.as_deref() == Some(node.name.as_str()) && !node.name.is_empty()));
+            if v4 == primary_v4 {
+                local_total.extend(local.iter().copied());
             }
-            _ => pick(cands.iter()),
-        };
-        let internal = FrontendSpec { backends: if int_local { local.clone() } else { cluster.clone() }, affinity_timeout };
-        let externl = FrontendSpec { backends: if ext_local { local.clone() } else { cluster }, affinity_timeout };
+            let cluster = match node.zone.as_deref() {
+                // Hints are used only when every endpoint has them and some are for our zone.
+                Some(z) if topology && fam.iter().all(|c| c.zones.is_some()) && fam.iter().any(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))) => {
+                    pick(fam.iter().copied().filter(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))))
+                }
+                _ => pick(fam.iter().copied()),
+            };
+            let internal = FrontendSpec { backends: if int_local { local.clone() } else { cluster.clone() }, affinity_timeout };
+            let externl = FrontendSpec { backends: if ext_local { local } else { cluster }, affinity_timeout };
+            specs.push((internal, externl));
+        }
+        let fam_idx = |a: &IpAddr| if a.is_ipv4() { 0 } else { 1 };
         let mut add = |out: &mut Translated, fe: Frontend, fs: &FrontendSpec| {
             if seen.insert(fe) {
                 out.frontends.push((fe, fs.clone()));
@@ -177,16 +217,16 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
             }
         };
         for vip in &vips {
-            add(&mut out, Frontend { addr: *vip, port, proto }, &internal);
+            add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].0);
         }
         for vip in &external {
-            add(&mut out, Frontend { addr: *vip, port, proto }, &externl);
+            add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].1);
         }
         if node_ports {
             match sp.node_port.map(|p| (p, valid_port(p))) {
                 Some((_, Some(np))) => {
-                    for a in &node.addresses {
-                        add(&mut out, Frontend { addr: *a, port: np, proto }, &externl);
+                    for a in &node_addrs {
+                        add(&mut out, Frontend { addr: *a, port: np, proto }, &specs[fam_idx(a)].1);
                     }
                 }
                 Some((p, None)) => problem(&mut out, format!("port {}: nodePort {p} is out of range", port_label(sp))),
@@ -248,9 +288,11 @@ fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out:
     };
     let mut cands = Vec::new();
     for slice in slices {
-        if slice.address_type != "IPv4" {
-            continue;
-        }
+        let slice_v4 = match slice.address_type.as_str() {
+            "IPv4" => true,
+            "IPv6" => false,
+            _ => continue, // FQDN
+        };
         // EndpointSlice ports are matched to Service ports by name (named targetPorts are
         // resolved by the EndpointSlice controller into the number here).
         let Some(port) = slice.ports.iter().flatten().find(|p| {
@@ -268,9 +310,13 @@ fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out:
             let is_ready = c.and_then(|c| c.ready).unwrap_or(true);
             let is_serving = c.and_then(|c| c.serving).unwrap_or(is_ready);
             for a in &ep.addresses {
-                let Ok(addr) = a.parse::<Ipv4Addr>() else {
-                    out.problems.push(Problem { service: key.into(), message: format!("endpoint address {a:?} is not IPv4") });
-                    continue;
+                let addr = match a.parse::<IpAddr>() {
+                    Ok(addr) if addr.is_ipv4() == slice_v4 => addr,
+                    _ => {
+                        let fam = if slice_v4 { "IPv4" } else { "IPv6" };
+                        out.problems.push(Problem { service: key.into(), message: format!("endpoint address {a:?} is not {fam}") });
+                        continue;
+                    }
                 };
                 cands.push(Candidate {
                     backend: Backend { addr, port: pn },
@@ -407,6 +453,109 @@ status:
         let t = translate(&svc(s), &[&slice(SLICE)], &node());
         let fes: Vec<String> = t.frontends.iter().map(|(f, _)| f.to_string()).collect();
         assert_eq!(fes, ["10.96.0.10:80/tcp", "198.51.100.7:80/tcp", "203.0.113.5:80/tcp", "192.0.2.10:30080/tcp"]);
+    }
+
+    const DUAL_SVC: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  type: LoadBalancer
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:19::10"]
+  externalIPs: [198.51.100.7, "2001:db8::7"]
+  ports:
+  - {name: http, port: 80, nodePort: 30080, protocol: TCP}
+  - {name: dns, port: 53, nodePort: 30053, protocol: UDP}
+status:
+  loadBalancer: {ingress: [{ip: 203.0.113.5}, {ip: "2001:db8::5"}]}
+"#;
+    const SLICE6: &str = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v6, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: dns, port: 5353, protocol: UDP}
+endpoints:
+- addresses: ["fd00:18:1::a"]
+  conditions: {ready: true}
+- addresses: ["fd00:18:1::b"]
+- addresses: ["fd00:18:1::c"]
+  conditions: {ready: false, serving: true, terminating: true}
+"#;
+
+    fn dual_node() -> NodeInfo {
+        NodeInfo { name: "n1".into(), addresses: vec!["192.0.2.10".parse().unwrap(), "2001:db8:1::10".parse().unwrap()], zone: None }
+    }
+
+    #[test]
+    fn dual_stack_service_gets_frontends_of_both_families_with_their_own_backends() {
+        let t = translate(&svc(DUAL_SVC), &[&slice(SLICE), &slice(SLICE6)], &dual_node());
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
+        let fes: Vec<String> = t.frontends.iter().map(|(f, _)| f.to_string()).collect();
+        assert_eq!(
+            fes,
+            [
+                "10.96.0.10:80/tcp",
+                "[fd00:19::10]:80/tcp",
+                "198.51.100.7:80/tcp",
+                "[2001:db8::7]:80/tcp",
+                "203.0.113.5:80/tcp",
+                "[2001:db8::5]:80/tcp",
+                "192.0.2.10:30080/tcp",
+                "[2001:db8:1::10]:30080/tcp",
+                "10.96.0.10:53/udp",
+                "[fd00:19::10]:53/udp",
+                "198.51.100.7:53/udp",
+                "[2001:db8::7]:53/udp",
+                "203.0.113.5:53/udp",
+                "[2001:db8::5]:53/udp",
+                "192.0.2.10:30053/udp",
+                "[2001:db8:1::10]:30053/udp",
+            ]
+        );
+        for (f, s) in &t.frontends {
+            let want = match (f.addr.is_ipv4(), f.proto) {
+                (true, Proto::Tcp) => bes(&["10.0.0.1:8080", "10.0.0.2:8080"]),
+                (true, Proto::Udp) => bes(&["10.0.0.1:5353", "10.0.0.2:5353"]),
+                (false, Proto::Tcp) => bes(&["[fd00:18:1::a]:8080", "[fd00:18:1::b]:8080"]),
+                (false, Proto::Udp) => bes(&["[fd00:18:1::a]:5353", "[fd00:18:1::b]:5353"]),
+            };
+            assert_eq!(s.backends, want, "{f}");
+        }
+    }
+
+    #[test]
+    fn ipv6_only_service_and_family_filtering() {
+        let v6 = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  type: NodePort
+  ipFamilies: [IPv6]
+  clusterIP: "fd00:19::10"
+  clusterIPs: ["fd00:19::10"]
+  externalIPs: ["198.51.100.7"]
+  ports: [{name: http, port: 80, nodePort: 30080}]
+"#;
+        let t = translate(&svc(v6), &[&slice(SLICE), &slice(SLICE6)], &dual_node());
+        let fes: Vec<String> = t.frontends.iter().map(|(f, _)| f.to_string()).collect();
+        assert_eq!(fes, ["[fd00:19::10]:80/tcp", "[2001:db8:1::10]:30080/tcp"], "NodePort only on the node's IPv6 address");
+        assert!(t.frontends.iter().all(|(_, s)| s.backends == bes(&["[fd00:18:1::a]:8080", "[fd00:18:1::b]:8080"])));
+        assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
+        assert!(t.problems[0].message.contains("198.51.100.7") && t.problems[0].message.contains("ipFamilies"), "{:?}", t.problems);
+        // A dual-stack Service whose IPv6 slice is missing: the IPv6 VIP refuses (no NAT64).
+        let d = translate(&svc(DUAL_SVC), &[&slice(SLICE)], &dual_node());
+        let v6fe = d.frontends.iter().find(|(f, _)| f.to_string() == "[fd00:19::10]:80/tcp").unwrap();
+        assert!(v6fe.1.backends.is_empty());
+        // An IPv6 address in an IPv4 slice is reported, not programmed.
+        let bad = translate(&svc(SVC), &[&slice(&SLICE.replace("10.0.0.2", "\"fd00::2\""))], &node());
+        assert!(bad.problems.iter().any(|p| p.message.contains("fd00::2") && p.message.contains("IPv4")), "{:?}", bad.problems);
     }
 
     const LOCAL_SLICE: &str = r#"

@@ -8,6 +8,9 @@
 //! entries that share `addr/port/proto/scope`. Slot 0 is the *master* entry and carries the
 //! backend count; slots `1..=count` each name one backend id. Userspace writes backends, then
 //! slots, then the master, so a reader that sees a count always finds every slot it may pick.
+//!
+//! Dual stack: every IPv4 map has an IPv6 twin (`*6`, 128-bit addresses as four network-order
+//! words) with the same layout rules. Backend ids come from one id space for both families.
 #![no_std]
 
 /// Map names (the kernel keeps at most 15 characters).
@@ -18,6 +21,13 @@ pub const MAP_CT: &str = "GN_CT4";
 pub const MAP_STATS: &str = "GN_STATS";
 pub const MAP_AFFINITY: &str = "GN_AFF4";
 pub const MAP_AFFINITY_MATCH: &str = "GN_AFFMATCH4";
+/// IPv6 twins of the maps above (same layouts with 128-bit addresses).
+pub const MAP_SERVICES6: &str = "GN_SVC6";
+pub const MAP_BACKENDS6: &str = "GN_BE6";
+pub const MAP_SOCK_REVNAT6: &str = "GN_SK_RNAT6";
+pub const MAP_CT6: &str = "GN_CT6";
+pub const MAP_AFFINITY6: &str = "GN_AFF6";
+pub const MAP_AFFINITY_MATCH6: &str = "GN_AFFMATCH6";
 
 /// Default map sizes; the agent can override them at load time.
 pub const DEFAULT_SERVICES_MAX: u32 = 262_144;
@@ -37,6 +47,10 @@ pub const PROG_CONNECT4: &str = "gn_connect4";
 pub const PROG_SENDMSG4: &str = "gn_sendmsg4";
 pub const PROG_RECVMSG4: &str = "gn_recvmsg4";
 pub const PROG_GETPEERNAME4: &str = "gn_getpeername4";
+pub const PROG_CONNECT6: &str = "gn_connect6";
+pub const PROG_SENDMSG6: &str = "gn_sendmsg6";
+pub const PROG_RECVMSG6: &str = "gn_recvmsg6";
+pub const PROG_GETPEERNAME6: &str = "gn_getpeername6";
 pub const PROG_TC_INGRESS: &str = "gn_tc_ingress";
 pub const PROG_TC_EGRESS: &str = "gn_tc_egress";
 pub const PROG_XDP: &str = "gn_xdp";
@@ -203,6 +217,100 @@ pub struct AffinityMatchKey4 {
     pub _pad: u8,
 }
 
+/// An IPv6 address as four 32-bit words, each in network byte order (the layout of
+/// `bpf_sock_addr.user_ip6` and of the address bytes in a packet).
+pub type Ip6 = [u32; 4];
+
+/// Key of `GN_SVC6` (see `ServiceKey4`); the value is `ServiceValue4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey6 {
+    pub addr: Ip6,
+    pub port: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub slot: u16,
+    pub _pad: u16,
+}
+
+/// Value of `GN_BE6`, keyed by backend id (`u32`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Backend6 {
+    pub addr: Ip6,
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// Key of `GN_SK_RNAT6`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey6 {
+    pub cookie: u64,
+    pub addr: Ip6,
+    pub port: u16,
+    pub _pad: u16,
+    pub _pad2: u32,
+}
+
+/// Value of `GN_SK_RNAT6`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNatValue6 {
+    pub addr: Ip6,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Key of `GN_CT6` (LRU), as `CtKey4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKey6 {
+    pub saddr: Ip6,
+    pub daddr: Ip6,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: u16,
+}
+
+/// Value of `GN_CT6`, as `CtValue4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtValue6 {
+    pub addr: Ip6,
+    pub port: u16,
+    pub flags: u16,
+    pub _pad: u32,
+    pub last_seen_ns: u64,
+}
+
+/// Key of `GN_AFF6` (LRU); the value is `AffinityValue4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey6 {
+    /// Netns cookie in words 0-1 (`AFF_CLIENT_NETNS`, words 2-3 zero) or the client's IPv6
+    /// address (`AFF_CLIENT_ADDR`).
+    pub client: Ip6,
+    pub addr: Ip6,
+    pub port: u16,
+    pub proto: u8,
+    pub kind: u8,
+}
+
+/// Key of `GN_AFFMATCH6` (value `u8`, always 1), as `AffinityMatchKey4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AffinityMatchKey6 {
+    pub backend_id: u32,
+    pub addr: Ip6,
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
 // No padding holes: the kernel compares keys bytewise, so an uninitialised hole would make
 // equal keys miss each other.
 const _: () = {
@@ -216,6 +324,14 @@ const _: () = {
     assert!(core::mem::size_of::<AffinityKey4>() == 16);
     assert!(core::mem::size_of::<AffinityValue4>() == 16);
     assert!(core::mem::size_of::<AffinityMatchKey4>() == 12);
+    assert!(core::mem::size_of::<ServiceKey6>() == 24);
+    assert!(core::mem::size_of::<Backend6>() == 20);
+    assert!(core::mem::size_of::<SockRevNatKey6>() == 32);
+    assert!(core::mem::size_of::<SockRevNatValue6>() == 20);
+    assert!(core::mem::size_of::<CtKey6>() == 40);
+    assert!(core::mem::size_of::<CtValue6>() == 32);
+    assert!(core::mem::size_of::<AffinityKey6>() == 36);
+    assert!(core::mem::size_of::<AffinityMatchKey6>() == 24);
 };
 
 #[cfg(feature = "user")]
@@ -232,6 +348,14 @@ mod pod {
     unsafe impl aya::Pod for AffinityKey4 {}
     unsafe impl aya::Pod for AffinityValue4 {}
     unsafe impl aya::Pod for AffinityMatchKey4 {}
+    unsafe impl aya::Pod for ServiceKey6 {}
+    unsafe impl aya::Pod for Backend6 {}
+    unsafe impl aya::Pod for SockRevNatKey6 {}
+    unsafe impl aya::Pod for SockRevNatValue6 {}
+    unsafe impl aya::Pod for CtKey6 {}
+    unsafe impl aya::Pod for CtValue6 {}
+    unsafe impl aya::Pod for AffinityKey6 {}
+    unsafe impl aya::Pod for AffinityMatchKey6 {}
 }
 
 impl ServiceKey4 {
@@ -243,4 +367,33 @@ impl ServiceKey4 {
     pub const fn with_slot(self, slot: u16) -> Self {
         ServiceKey4 { slot, ..self }
     }
+}
+
+impl ServiceKey6 {
+    /// Key of a frontend's master entry (addr/port already in network byte order).
+    pub const fn master(addr: Ip6, port: u16, proto: u8) -> Self {
+        ServiceKey6 { addr, port, proto, scope: SCOPE_ALL, slot: 0, _pad: 0 }
+    }
+
+    pub const fn with_slot(self, slot: u16) -> Self {
+        ServiceKey6 { slot, ..self }
+    }
+}
+
+/// The 16 address bytes (as in a packet) as `Ip6` words.
+pub const fn ip6_from_octets(o: [u8; 16]) -> Ip6 {
+    [
+        u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+        u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+        u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+        u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+    ]
+}
+
+/// `Ip6` words back to the 16 address bytes.
+pub const fn ip6_octets(a: Ip6) -> [u8; 16] {
+    let (w0, w1, w2, w3) = (a[0].to_ne_bytes(), a[1].to_ne_bytes(), a[2].to_ne_bytes(), a[3].to_ne_bytes());
+    [
+        w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3], w2[0], w2[1], w2[2], w2[3], w3[0], w3[1], w3[2], w3[3],
+    ]
 }

@@ -35,6 +35,24 @@ static GN_AFF4: LruHashMap<AffinityKey4, AffinityValue4> = LruHashMap::pinned(DE
 static GN_AFFMATCH4: HashMap<AffinityMatchKey4, u8> = HashMap::pinned(DEFAULT_AFFINITY_MATCH_MAX, 0);
 
 #[map]
+static GN_SVC6: HashMap<ServiceKey6, ServiceValue4> = HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
+
+#[map]
+static GN_BE6: HashMap<u32, Backend6> = HashMap::pinned(DEFAULT_BACKENDS_MAX, 0);
+
+#[map]
+static GN_SK_RNAT6: LruHashMap<SockRevNatKey6, SockRevNatValue6> = LruHashMap::pinned(DEFAULT_SOCK_REVNAT_MAX, 0);
+
+#[map]
+static GN_CT6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(DEFAULT_CT_MAX, 0);
+
+#[map]
+static GN_AFF6: LruHashMap<AffinityKey6, AffinityValue4> = LruHashMap::pinned(DEFAULT_AFFINITY_MAX, 0);
+
+#[map]
+static GN_AFFMATCH6: HashMap<AffinityMatchKey6, u8> = HashMap::pinned(DEFAULT_AFFINITY_MATCH_MAX, 0);
+
+#[map]
 static GN_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_LEN, 0);
 
 #[inline(always)]
@@ -84,6 +102,44 @@ fn select_backend_affine(key: &ServiceKey4, master: &ServiceValue4, client: u64,
     }
     let (id, be) = select_backend(key, master)?;
     let _ = GN_AFF4.insert(&akey, &AffinityValue4 { backend_id: id, _pad: 0, last_used_ns: now }, 0);
+    Some((id, be))
+}
+
+/// IPv6 twin of `select_backend`.
+#[inline(always)]
+fn select_backend6(key: &ServiceKey6, master: &ServiceValue4) -> Option<(u32, Backend6)> {
+    let count = master.count as u32;
+    if count == 0 {
+        return None;
+    }
+    let slot = (unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() } % count) as u16 + 1;
+    let sv = unsafe { GN_SVC6.get(&key.with_slot(slot)) }?;
+    let be = unsafe { GN_BE6.get(&sv.backend_id) }?;
+    Some((sv.backend_id, *be))
+}
+
+/// IPv6 twin of `select_backend_affine`.
+#[inline(always)]
+fn select_backend_affine6(key: &ServiceKey6, master: &ServiceValue4, client: Ip6, kind: u8) -> Option<(u32, Backend6)> {
+    if master.affinity_timeout == 0 {
+        return select_backend6(key, master);
+    }
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    let akey = AffinityKey6 { client, addr: key.addr, port: key.port, proto: key.proto, kind };
+    if let Some(a) = GN_AFF6.get_ptr_mut(&akey) {
+        let a = unsafe { &mut *a };
+        let fresh = now.wrapping_sub(a.last_used_ns) <= master.affinity_timeout as u64 * 1_000_000_000;
+        let mkey = AffinityMatchKey6 { backend_id: a.backend_id, addr: key.addr, port: key.port, proto: key.proto, _pad: 0 };
+        if fresh && unsafe { GN_AFFMATCH6.get(&mkey) }.is_some() {
+            if let Some(be) = unsafe { GN_BE6.get(&a.backend_id) } {
+                a.last_used_ns = now;
+                stat(Stat::AffinityHit);
+                return Some((a.backend_id, *be));
+            }
+        }
+    }
+    let (id, be) = select_backend6(key, master)?;
+    let _ = GN_AFF6.insert(&akey, &AffinityValue4 { backend_id: id, _pad: 0, last_used_ns: now }, 0);
     Some((id, be))
 }
 

@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{select_backend_affine, stat, GN_SK_RNAT4, GN_SVC4};
+use crate::{select_backend_affine, select_backend_affine6, stat, GN_SK_RNAT4, GN_SK_RNAT6, GN_SVC4, GN_SVC6};
 
 /// sock_addr programs return 1 to let the call proceed, 0 to fail it.
 const ALLOW: i32 = 1;
@@ -81,6 +81,140 @@ fn xlate_rev(ctx: &SockAddrContext) {
     let rkey = SockRevNatKey4 { cookie, addr: sa.user_ip4, port: sa.user_port as u16, _pad: 0 };
     if let Some(v) = unsafe { GN_SK_RNAT4.get(&rkey) } {
         sa.user_ip4 = v.addr;
+        sa.user_port = v.port as u32;
+        stat(Stat::SockRevNat);
+    }
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn gn_connect6(ctx: SockAddrContext) -> i32 {
+    xlate_fwd6(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn gn_sendmsg6(ctx: SockAddrContext) -> i32 {
+    xlate_fwd6(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn gn_recvmsg6(ctx: SockAddrContext) -> i32 {
+    xlate_rev6(&ctx);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn gn_getpeername6(ctx: SockAddrContext) -> i32 {
+    xlate_rev6(&ctx);
+    ALLOW
+}
+
+/// `user_ip6` word by word: the verifier wants 4-byte context accesses.
+#[inline(always)]
+fn load_ip6(sa: &aya_ebpf::bindings::bpf_sock_addr) -> Ip6 {
+    unsafe {
+        [
+            core::ptr::read_volatile(&sa.user_ip6[0]),
+            core::ptr::read_volatile(&sa.user_ip6[1]),
+            core::ptr::read_volatile(&sa.user_ip6[2]),
+            core::ptr::read_volatile(&sa.user_ip6[3]),
+        ]
+    }
+}
+
+#[inline(always)]
+fn store_ip6(sa: &mut aya_ebpf::bindings::bpf_sock_addr, a: &Ip6) {
+    unsafe {
+        core::ptr::write_volatile(&mut sa.user_ip6[0], a[0]);
+        core::ptr::write_volatile(&mut sa.user_ip6[1], a[1]);
+        core::ptr::write_volatile(&mut sa.user_ip6[2], a[2]);
+        core::ptr::write_volatile(&mut sa.user_ip6[3], a[3]);
+    }
+}
+
+#[inline(always)]
+fn xlate_fwd6(ctx: &SockAddrContext) -> i32 {
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let proto = match sa.protocol {
+        6 => PROTO_TCP,
+        17 => PROTO_UDP,
+        _ => return ALLOW,
+    };
+    let vip = load_ip6(sa);
+    let vport = sa.user_port as u16;
+    if is_v4_mapped(&vip) {
+        return xlate_fwd_mapped(ctx, sa, proto, vip[3], vport);
+    }
+    let key = ServiceKey6::master(vip, vport, proto);
+    let Some(master) = (unsafe { GN_SVC6.get(&key) }) else {
+        return ALLOW;
+    };
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let client = [netns as u32, (netns >> 32) as u32, 0, 0];
+    let Some((_, be)) = select_backend_affine6(&key, master, client, AFF_CLIENT_NETNS) else {
+        stat(Stat::SockNoBackend);
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        return REJECT;
+    };
+    store_ip6(sa, &be.addr);
+    sa.user_port = be.port as u32;
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let rkey = SockRevNatKey6 { cookie, addr: be.addr, port: be.port, _pad: 0, _pad2: 0 };
+    let rval = SockRevNatValue6 { addr: vip, port: vport, _pad: 0 };
+    let _ = GN_SK_RNAT6.insert(&rkey, &rval, 0);
+    stat(Stat::SockTranslated);
+    ALLOW
+}
+
+/// `::ffff:0:0/96` word 2 in network order.
+const V4_MAPPED_W2: u32 = 0x0000_ffffu32.to_be();
+
+#[inline(always)]
+fn is_v4_mapped(a: &Ip6) -> bool {
+    a[0] == 0 && a[1] == 0 && a[2] == V4_MAPPED_W2
+}
+
+/// A dual-stack (AF_INET6) socket dialling an IPv4 frontend as `::ffff:a.b.c.d`: the kernel
+/// runs only the IPv6 hook for it, so translate with the IPv4 tables here. (Unconnected UDP
+/// sends to mapped addresses go through sendmsg4; their replies come back through recvmsg6.)
+#[inline(always)]
+fn xlate_fwd_mapped(ctx: &SockAddrContext, sa: &mut aya_ebpf::bindings::bpf_sock_addr, proto: u8, vip: u32, vport: u16) -> i32 {
+    let key = ServiceKey4::master(vip, vport, proto);
+    let Some(master) = (unsafe { GN_SVC4.get(&key) }) else {
+        return ALLOW;
+    };
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let Some((_, be)) = select_backend_affine(&key, master, netns, AFF_CLIENT_NETNS) else {
+        stat(Stat::SockNoBackend);
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        return REJECT;
+    };
+    unsafe { core::ptr::write_volatile(&mut sa.user_ip6[3], be.addr) };
+    sa.user_port = be.port as u32;
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let rkey = SockRevNatKey4 { cookie, addr: be.addr, port: be.port, _pad: 0 };
+    let rval = SockRevNatValue4 { addr: vip, port: vport, _pad: 0 };
+    let _ = GN_SK_RNAT4.insert(&rkey, &rval, 0);
+    stat(Stat::SockTranslated);
+    ALLOW
+}
+
+#[inline(always)]
+fn xlate_rev6(ctx: &SockAddrContext) {
+    let sa = unsafe { &mut *ctx.sock_addr };
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let addr = load_ip6(sa);
+    if is_v4_mapped(&addr) {
+        let rkey = SockRevNatKey4 { cookie, addr: addr[3], port: sa.user_port as u16, _pad: 0 };
+        if let Some(v) = unsafe { GN_SK_RNAT4.get(&rkey) } {
+            unsafe { core::ptr::write_volatile(&mut sa.user_ip6[3], v.addr) };
+            sa.user_port = v.port as u32;
+            stat(Stat::SockRevNat);
+        }
+        return;
+    }
+    let rkey = SockRevNatKey6 { cookie, addr, port: sa.user_port as u16, _pad: 0, _pad2: 0 };
+    if let Some(v) = unsafe { GN_SK_RNAT6.get(&rkey) } {
+        store_ip6(sa, &v.addr);
         sa.user_port = v.port as u32;
         stat(Stat::SockRevNat);
     }

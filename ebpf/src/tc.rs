@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{select_backend_affine, stat, GN_CT4, GN_SVC4};
+use crate::{select_backend_affine, select_backend_affine6, stat, GN_CT4, GN_CT6, GN_SVC4, GN_SVC6};
 
 /// "Not ours, carry on": lets later tcx programs / tc filters run (TCX_NEXT / TC_ACT_UNSPEC).
 const PASS: i32 = -1;
@@ -18,6 +18,12 @@ const DROP: i32 = TC_ACT_SHOT as i32;
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
+const IP6_PLEN_OFF: usize = ETH_HLEN + 4;
+const IP6_NEXT_OFF: usize = ETH_HLEN + 6;
+const IP6_SRC_OFF: usize = ETH_HLEN + 8;
+const IP6_DST_OFF: usize = ETH_HLEN + 24;
+const IP6_L4_OFF: usize = ETH_HLEN + 40;
 const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 const IP_SRC_OFF: usize = ETH_HLEN + 12;
 const IP_DST_OFF: usize = ETH_HLEN + 16;
@@ -68,6 +74,12 @@ impl Flow {
 
 #[classifier]
 pub fn gn_tc_ingress(ctx: TcContext) -> i32 {
+    if is_ipv6(&ctx) {
+        return match parse6(&ctx) {
+            Some(flow) => ingress6(&ctx, &flow).unwrap_or(PASS),
+            None => PASS,
+        };
+    }
     match parse(&ctx) {
         Some(flow) => ingress(&ctx, &flow).unwrap_or(PASS),
         None => PASS,
@@ -76,10 +88,21 @@ pub fn gn_tc_ingress(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn gn_tc_egress(ctx: TcContext) -> i32 {
+    if is_ipv6(&ctx) {
+        return match parse6(&ctx) {
+            Some(flow) => rev_nat6(&ctx, &flow).unwrap_or(PASS),
+            None => PASS,
+        };
+    }
     match parse(&ctx) {
         Some(flow) => rev_nat(&ctx, &flow).unwrap_or(PASS),
         None => PASS,
     }
+}
+
+#[inline(always)]
+fn is_ipv6(ctx: &TcContext) -> bool {
+    ctx.load::<u16>(12).is_ok_and(|p| u16::from_be(p) == ETH_P_IPV6)
 }
 
 #[inline(always)]
@@ -270,4 +293,181 @@ fn syn_to_rst(ctx: &TcContext, f: &Flow) -> Option<()> {
 fn replace32(ctx: &TcContext, csum: usize, off: usize, old: u32, new: u32) -> Option<()> {
     ctx.l4_csum_replace(csum, old as u64, new as u64, 4).ok()?;
     ctx.store(off, &new, 0).ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// IPv6: the same design. No L3 checksum; the L4 checksum covers the addresses through the
+// pseudo header, so every changed address word goes through `l4_csum_replace` with
+// BPF_F_PSEUDO_HDR. Only packets whose fixed header is followed directly by TCP or UDP are
+// handled; extension headers (incl. fragments) pass untouched.
+
+struct Flow6 {
+    saddr: Ip6,
+    daddr: Ip6,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    tcp_flags: u8,
+}
+
+impl Flow6 {
+    #[inline(always)]
+    fn csum_off(&self) -> usize {
+        IP6_L4_OFF + if self.proto == PROTO_TCP { 16 } else { 6 }
+    }
+
+    #[inline(always)]
+    fn csum_flags(&self) -> u64 {
+        if self.proto == PROTO_UDP { BPF_F_MARK_MANGLED_0 } else { 0 }
+    }
+
+    #[inline(always)]
+    fn ct_key(&self, dir: u8) -> CtKey6 {
+        CtKey6 { saddr: self.saddr, daddr: self.daddr, sport: self.sport, dport: self.dport, proto: self.proto, dir, _pad: 0 }
+    }
+}
+
+#[inline(always)]
+fn parse6(ctx: &TcContext) -> Option<Flow6> {
+    let v: u8 = ctx.load(ETH_HLEN).ok()?;
+    if v >> 4 != 6 {
+        return None;
+    }
+    let proto: u8 = ctx.load(IP6_NEXT_OFF).ok()?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    let tcp_flags = if proto == PROTO_TCP { ctx.load::<u8>(IP6_L4_OFF + 13).ok()? } else { 0 };
+    Some(Flow6 {
+        saddr: ctx.load(IP6_SRC_OFF).ok()?,
+        daddr: ctx.load(IP6_DST_OFF).ok()?,
+        sport: ctx.load(IP6_L4_OFF).ok()?,
+        dport: ctx.load(IP6_L4_OFF + 2).ok()?,
+        proto,
+        tcp_flags,
+    })
+}
+
+#[inline(always)]
+fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
+    if let Some(v) = rev_nat6(ctx, f) {
+        return Some(v);
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    let fresh_syn = f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN;
+    let fkey = f.ct_key(CT_DIR_FORWARD);
+    if !fresh_syn {
+        if let Some(ct) = GN_CT6.get_ptr_mut(&fkey) {
+            let ct = unsafe { &mut *ct };
+            ct.last_seen_ns = now;
+            let (addr, port) = (ct.addr, ct.port);
+            nat6(ctx, f, &f.daddr, &addr, IP6_DST_OFF, f.dport, port, IP6_L4_OFF + 2)?;
+            stat(Stat::TcDnat);
+            return Some(PASS);
+        }
+    }
+    let skey = ServiceKey6::master(f.daddr, f.dport, f.proto);
+    let master = unsafe { GN_SVC6.get(&skey) }?;
+    let Some((_, be)) = select_backend_affine6(&skey, master, f.saddr, AFF_CLIENT_ADDR) else {
+        if master.count == 0 {
+            return Some(reject6(ctx, f));
+        }
+        stat(Stat::TcMissingBackend);
+        return None;
+    };
+    let rkey = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
+    let rval = CtValue6 { addr: f.daddr, port: f.dport, flags: 0, _pad: 0, last_seen_ns: now };
+    GN_CT6.insert(&rkey, &rval, 0).ok()?;
+    let fval = CtValue6 { addr: be.addr, port: be.port, flags: 0, _pad: 0, last_seen_ns: now };
+    GN_CT6.insert(&fkey, &fval, 0).ok()?;
+    stat(Stat::TcCtCreated);
+    nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, IP6_L4_OFF + 2)?;
+    stat(Stat::TcDnat);
+    Some(PASS)
+}
+
+#[inline(always)]
+fn rev_nat6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
+    let ct = GN_CT6.get_ptr_mut(&f.ct_key(CT_DIR_REPLY))?;
+    let ct = unsafe { &mut *ct };
+    ct.last_seen_ns = unsafe { bpf_ktime_get_ns() };
+    let (addr, port) = (ct.addr, ct.port);
+    nat6(ctx, f, &f.saddr, &addr, IP6_SRC_OFF, f.sport, port, IP6_L4_OFF)?;
+    stat(Stat::TcRevNat);
+    Some(PASS)
+}
+
+/// Rewrites one address (at `addr_off`) and one port (at `port_off`) of an IPv6 packet.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn nat6(ctx: &TcContext, f: &Flow6, old: &Ip6, new: &Ip6, addr_off: usize, old_port: u16, new_port: u16, port_off: usize) -> Option<()> {
+    let csum = f.csum_off();
+    let fl = f.csum_flags();
+    ctx.l4_csum_replace(csum, old[0] as u64, new[0] as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+    ctx.l4_csum_replace(csum, old[1] as u64, new[1] as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+    ctx.l4_csum_replace(csum, old[2] as u64, new[2] as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+    ctx.l4_csum_replace(csum, old[3] as u64, new[3] as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+    ctx.l4_csum_replace(csum, old_port as u64, new_port as u64, 2 | fl).ok()?;
+    ctx.store(addr_off, new, 0).ok()?;
+    ctx.store(port_off, &new_port, 0).ok()?;
+    Some(())
+}
+
+#[inline(always)]
+fn reject6(ctx: &TcContext, f: &Flow6) -> i32 {
+    if f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
+        if syn_to_rst6(ctx, f).is_some() {
+            stat(Stat::TcNoBackendReset);
+            let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+            return unsafe { bpf_redirect(ifindex, 0) } as i32;
+        }
+    }
+    stat(Stat::TcNoBackendDrop);
+    DROP
+}
+
+/// `syn_to_rst` for IPv6: the swap of addresses and ports keeps the pseudo-header sum.
+#[inline(always)]
+fn syn_to_rst6(ctx: &TcContext, f: &Flow6) -> Option<()> {
+    let l4 = IP6_L4_OFF;
+    let csum = f.csum_off();
+    let plen = u16::from_be(ctx.load::<u16>(IP6_PLEN_OFF).ok()?) as usize;
+    let hdr_word: u16 = ctx.load(l4 + 12).ok()?;
+    let doff = ((ctx.load::<u8>(l4 + 12).ok()? >> 4) as usize) * 4;
+    if doff < 20 || plen != doff {
+        return None;
+    }
+    let dst_mac: [u8; 6] = ctx.load(0).ok()?;
+    let src_mac: [u8; 6] = ctx.load(6).ok()?;
+    ctx.store(0, &src_mac, 0).ok()?;
+    ctx.store(6, &dst_mac, 0).ok()?;
+    ctx.store(IP6_SRC_OFF, &f.daddr, 0).ok()?;
+    ctx.store(IP6_DST_OFF, &f.saddr, 0).ok()?;
+    ctx.store(l4, &f.dport, 0).ok()?;
+    ctx.store(l4 + 2, &f.sport, 0).ok()?;
+    let seq: u32 = ctx.load(l4 + 4).ok()?;
+    let old_ack: u32 = ctx.load(l4 + 8).ok()?;
+    let ack = (u32::from_be(seq).wrapping_add(1)).to_be();
+    replace32(ctx, csum, l4 + 4, seq, 0)?;
+    replace32(ctx, csum, l4 + 8, old_ack, ack)?;
+    let new_word = (hdr_word & 0x00ff) | ((TCP_FLAG_RST | TCP_FLAG_ACK) as u16) << 8;
+    ctx.l4_csum_replace(csum, hdr_word as u64, new_word as u64, 2).ok()?;
+    ctx.store(l4 + 12, &new_word, 0).ok()?;
+    let win: u16 = ctx.load(l4 + 14).ok()?;
+    ctx.l4_csum_replace(csum, win as u64, 0, 2).ok()?;
+    ctx.store(l4 + 14, &0u16, 0).ok()?;
+    let urg: u16 = ctx.load(l4 + 18).ok()?;
+    ctx.l4_csum_replace(csum, urg as u64, 0, 2).ok()?;
+    ctx.store(l4 + 18, &0u16, 0).ok()?;
+    let nops = 0x0101_0101u32;
+    let mut off = 20;
+    for _ in 0..10 {
+        if off >= doff {
+            break;
+        }
+        let old: u32 = ctx.load(l4 + off).ok()?;
+        replace32(ctx, csum, l4 + off, old, nops)?;
+        off += 4;
+    }
+    Some(())
 }

@@ -10,6 +10,10 @@
 //! ```
 //! The client routes 198.18.1.0/24 (pods) and 198.19.0.0/16 (service VIPs) via the node;
 //! backends route the client subnet via the node. No namespace has a default route.
+//!
+//! Every link is dual stack: IPv6 mirrors the IPv4 plan (`nodad` addresses, forwarding on the
+//! node), with fd00:18::/64 client-node, fd00:18:1::/64 pods (gateway ::1 on br0, backend i
+//! at ::(10+i)), fd00:18:2::/64 node-node2, and service VIPs in fd00:19::/64.
 use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
@@ -33,6 +37,18 @@ pub const NODE2_IP: &str = "198.18.2.2";
 
 pub fn backend_ip(i: usize) -> String {
     format!("198.18.1.{}", 10 + i)
+}
+
+pub const CLIENT_IP6: &str = "fd00:18::2";
+pub const NODE_IP6: &str = "fd00:18::1";
+pub const NODE_POD_GW6: &str = "fd00:18:1::1";
+/// The node's IPv6 address towards node2.
+pub const NODE_ADDR6: &str = "fd00:18:2::1";
+pub const NODE2_IP6: &str = "fd00:18:2::2";
+
+/// IPv6 address of backend `i` (bare, without brackets).
+pub fn backend_ip6(i: usize) -> String {
+    format!("fd00:18:1::{}", 10 + i)
 }
 
 pub fn backend_name(i: usize) -> String {
@@ -97,6 +113,15 @@ impl Lab {
         n2.ip(&["link", "set", "n0", "up"])?;
         n.sysctl("net.ipv4.ip_forward", "1")?;
         n.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+        n.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        // IPv6 mirror of the above.
+        n.ip(&["-6", "addr", "add", &format!("{NODE_IP6}/64"), "dev", "nc0", "nodad"])?;
+        c.ip(&["-6", "addr", "add", &format!("{CLIENT_IP6}/64"), "dev", "c0", "nodad"])?;
+        c.ip(&["-6", "route", "add", "fd00:18:1::/64", "via", NODE_IP6])?;
+        c.ip(&["-6", "route", "add", "fd00:19::/64", "via", NODE_IP6])?;
+        n.ip(&["-6", "addr", "add", &format!("{NODE_POD_GW6}/64"), "dev", "br0", "nodad"])?;
+        n.ip(&["-6", "addr", "add", &format!("{NODE_ADDR6}/64"), "dev", "nn0", "nodad"])?;
+        n2.ip(&["-6", "addr", "add", &format!("{NODE2_IP6}/64"), "dev", "n0", "nodad"])?;
         for (i, b) in self.backends.iter().enumerate() {
             let nb = format!("nb{}", i + 1);
             n.ip(&["link", "add", &nb, "type", "veth", "peer", "name", "e0", "netns", &b.name])?;
@@ -106,6 +131,9 @@ impl Lab {
             b.ip(&["link", "set", "e0", "up"])?;
             // Client and node2 subnets (the connected pod /24 stays more specific).
             b.ip(&["route", "add", "198.18.0.0/16", "via", NODE_POD_GW])?;
+            b.ip(&["-6", "addr", "add", &format!("{}/64", backend_ip6(i)), "dev", "e0", "nodad"])?;
+            // Client and node2 subnets (the connected pod /64 stays more specific).
+            b.ip(&["-6", "route", "add", "fd00:18::/32", "via", NODE_POD_GW6])?;
         }
         Ok(())
     }
@@ -121,6 +149,26 @@ impl Lab {
     fn wait_servers(&self) -> Result<()> {
         for i in 0..self.backends.len() {
             let to = format!("{}:{SERVER_PORT}", backend_ip(i));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let v = self.client_json(false, &["tcp", "--to", &to, "--count", "1", "--timeout-ms", "300"]);
+                if v.as_ref().is_ok_and(|v| v["counts"][backend_name(i)] == 1) {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!("server {} at {to} does not answer: {v:?}", backend_name(i));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every server answers directly over IPv6 (first neighbour discovery and
+    /// the bridge's link-local setup can take a moment).
+    pub fn wait_servers6(&self) -> Result<()> {
+        for i in 0..self.backends.len() {
+            let to = format!("[{}]:{SERVER_PORT}", backend_ip6(i));
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
                 let v = self.client_json(false, &["tcp", "--to", &to, "--count", "1", "--timeout-ms", "300"]);
@@ -196,9 +244,40 @@ pub fn slice_yaml_on(svc: &str, backends: &[(usize, &str)], protos: &[&str]) -> 
     )
 }
 
+/// YAML for a dual-stack ClusterIP Service (`ipFamilies: [IPv4, IPv6]`) with one port named
+/// `p-<proto>` per protocol.
+pub fn service_yaml_dual(name: &str, vip4: &str, vip6: &str, port: u16, protos: &[&str]) -> String {
+    let ports: Vec<String> = protos
+        .iter()
+        .map(|p| format!("  - {{name: p-{}, port: {port}, targetPort: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase()))
+        .collect();
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: {vip4}\n  clusterIPs: [{vip4}, \"{vip6}\"]\n  ports:\n{}\n",
+        ports.join("\n")
+    )
+}
+
+/// YAML for the IPv6 EndpointSlice (`addressType: IPv6`, name `<svc>-v6`) of `svc`.
+pub fn slice_yaml6(svc: &str, backends: &[usize], protos: &[&str]) -> String {
+    let ports: Vec<String> = protos.iter().map(|p| format!("  - {{name: p-{}, port: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase())).collect();
+    let eps: Vec<String> = backends.iter().map(|i| format!("  - addresses: [\"{}\"]\n    conditions: {{ready: true}}", backend_ip6(*i))).collect();
+    let eps = if eps.is_empty() { "endpoints: []".to_string() } else { format!("endpoints:\n{}", eps.join("\n")) };
+    format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-v6, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: IPv6\nports:\n{}\n{eps}\n",
+        ports.join("\n")
+    )
+}
+
 /// YAML for this lab's Node object: its NodePort address.
 pub fn node_yaml() -> String {
     format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}]\n")
+}
+
+/// Like `node_yaml`, with the node's IPv6 address too (dual-stack NodePorts).
+pub fn node_yaml_dual() -> String {
+    format!(
+        "apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}, {{type: InternalIP, address: \"{NODE_ADDR6}\"}}]\n"
+    )
 }
 
 /// Options for the agent under test.
@@ -327,13 +406,13 @@ impl Agent {
         let v = self.lb_list()?;
         for f in v.as_array().into_iter().flatten() {
             let fe = &f["frontend"];
-            let s = format!("{}:{}/{}", fe["addr"].as_str().unwrap_or(""), fe["port"], fe["proto"].as_str().unwrap_or(""));
+            let s = format!("{}:{}/{}", bracket(fe["addr"].as_str().unwrap_or("")), fe["port"], fe["proto"].as_str().unwrap_or(""));
             if s == frontend {
                 let mut b: Vec<String> = f["backends"]
                     .as_array()
                     .into_iter()
                     .flatten()
-                    .map(|b| format!("{}:{}", b["addr"].as_str().unwrap_or(""), b["port"]))
+                    .map(|b| format!("{}:{}", bracket(b["addr"].as_str().unwrap_or("")), b["port"]))
                     .collect();
                 b.sort();
                 return Ok(Some(b));
@@ -373,6 +452,11 @@ impl Drop for Agent {
             let _ = std::fs::remove_dir_all(PathBuf::from("/run/gardenet").join(name));
         }
     }
+}
+
+/// An address as it appears in `ADDR:PORT`: IPv6 in brackets.
+fn bracket(a: &str) -> String {
+    if a.contains(':') { format!("[{a}]") } else { a.to_string() }
 }
 
 /// Parses netkit's `counts` object into (name, count) pairs.

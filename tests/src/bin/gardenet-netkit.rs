@@ -19,7 +19,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// TCP and UDP server on 0.0.0.0:PORT answering with NAME.
+    /// TCP and UDP server on 0.0.0.0:PORT and [::]:PORT (IPv6-only sockets, best effort)
+    /// answering with NAME.
     Serve {
         #[arg(long)]
         name: String,
@@ -101,7 +102,62 @@ fn main() -> Result<()> {
     }
 }
 
+/// Binds an IPv6-only socket on [::]:port (so it does not collide with the IPv4 one).
+fn bind_v6only(ty: libc::c_int, port: u16) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a fresh fd we own; the sockaddr is fully initialised.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET6, ty | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        let one: libc::c_int = 1;
+        let sz = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        libc::setsockopt(raw, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, &one as *const _ as *const libc::c_void, sz);
+        libc::setsockopt(raw, libc::SOL_SOCKET, libc::SO_REUSEADDR, &one as *const _ as *const libc::c_void, sz);
+        let mut sa: libc::sockaddr_in6 = std::mem::zeroed();
+        sa.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+        sa.sin6_port = port.to_be();
+        if libc::bind(raw, &sa as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if ty == libc::SOCK_STREAM && libc::listen(raw, 1024) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(fd)
+    }
+}
+
+fn serve_udp(udp: UdpSocket, name: String) {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while let Ok((_, peer)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(name.as_bytes(), peer);
+        }
+    });
+}
+
+fn serve_tcp(l: TcpListener, name: String) {
+    for s in l.incoming() {
+        let Ok(s) = s else { continue };
+        let name = name.clone();
+        std::thread::spawn(move || {
+            let _ = handle(s, &name);
+        });
+    }
+}
+
 fn serve(name: &str, port: u16) -> Result<()> {
+    match (bind_v6only(libc::SOCK_DGRAM, port), bind_v6only(libc::SOCK_STREAM, port)) {
+        (Ok(u), Ok(t)) => {
+            serve_udp(UdpSocket::from(u), name.to_owned());
+            let (l, n) = (TcpListener::from(t), name.to_owned());
+            std::thread::spawn(move || serve_tcp(l, n));
+        }
+        (u, t) => eprintln!("netkit: no IPv6 server on port {port}: udp {:?}, tcp {:?}", u.err(), t.err()),
+    }
     let udp = UdpSocket::bind(("0.0.0.0", port))?;
     let uname = name.to_owned();
     std::thread::spawn(move || {
@@ -185,8 +241,13 @@ fn tcp(to: SocketAddr, count: u32, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
+/// The wildcard address of `to`'s family, port 0 (a client socket's local address).
+fn any_for(to: SocketAddr) -> SocketAddr {
+    if to.is_ipv6() { "[::]:0".parse().unwrap() } else { "0.0.0.0:0".parse().unwrap() }
+}
+
 fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool) -> Result<()> {
-    let mut s = UdpSocket::bind("0.0.0.0:0")?;
+    let mut s = UdpSocket::bind(any_for(to))?;
     s.set_read_timeout(Some(timeout))?;
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut sources: BTreeMap<String, u32> = BTreeMap::new();
@@ -194,7 +255,7 @@ fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool) -> Result<()>
     let mut buf = [0u8; 2048];
     for _ in 0..count {
         if fresh {
-            s = UdpSocket::bind("0.0.0.0:0")?;
+            s = UdpSocket::bind(any_for(to))?;
             s.set_read_timeout(Some(timeout))?;
         }
         if let Err(e) = s.send_to(b"HELLO", to) {
@@ -215,7 +276,7 @@ fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool) -> Result<()>
 
 fn peername(to: SocketAddr, udp: bool) -> Result<()> {
     let (peer, name) = if udp {
-        let s = UdpSocket::bind("0.0.0.0:0")?;
+        let s = UdpSocket::bind(any_for(to))?;
         s.connect(to)?;
         s.set_read_timeout(Some(Duration::from_secs(2)))?;
         s.send(b"HELLO")?;

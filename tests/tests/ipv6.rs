@@ -1,0 +1,228 @@
+//! Privileged dual-stack tests: an `ipFamilies: [IPv4, IPv6]` Service whose IPv6 ClusterIP is
+//! served by the IPv6 socket-LB hooks (connect6/sendmsg6/recvmsg6/getpeername6) and by TC LB
+//! for clients outside the cgroup. Needs root; fails (does not skip) without it.
+use std::sync::{Mutex, MutexGuard};
+
+use gardenet_tests::lab::{
+    backend_ip6, counts, node_yaml_dual, service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
+};
+
+static LOCK: Mutex<()> = Mutex::new(());
+fn serial() -> MutexGuard<'static, ()> {
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const VIP4: &str = "198.19.0.10";
+const VIP6: &str = "fd00:19::10";
+const PORT: u16 = 80;
+
+fn vip6() -> String {
+    format!("[{VIP6}]:{PORT}")
+}
+
+fn vip4() -> String {
+    format!("{VIP4}:{PORT}")
+}
+
+fn setup(opts: AgentOpts, backends: &[usize]) -> (Lab, Agent) {
+    let lab = Lab::new(3).expect("lab");
+    lab.wait_servers6().expect("IPv6 servers");
+    let protos = ["TCP", "UDP"];
+    let agent = Agent::start(
+        &lab,
+        opts,
+        &[
+            ("svc.yaml", service_yaml_dual("web", VIP4, VIP6, PORT, &protos)),
+            ("eps.yaml", slice_yaml("web", backends, &protos)),
+            ("eps6.yaml", slice_yaml6("web", backends, &protos)),
+        ],
+    )
+    .expect("agent");
+    for fe in [vip6(), vip4()] {
+        agent.wait_backends(&format!("{fe}/tcp"), backends.len()).unwrap();
+        agent.wait_backends(&format!("{fe}/udp"), backends.len()).unwrap();
+    }
+    (lab, agent)
+}
+
+fn assert_spread(v: &serde_json::Value, total: u64) {
+    let c = counts(v);
+    assert_eq!(c.len(), 3, "all three backends must answer: {v}");
+    let sum: u64 = c.iter().map(|(_, n)| n).sum();
+    assert_eq!(sum, total, "every request answered: {v}");
+    for (name, n) in &c {
+        assert!(*n as f64 >= 0.15 * total as f64, "{name} got {n} of {total} (< 15%): {v}");
+    }
+}
+
+#[test]
+fn dual_stack_service_is_listed_with_v6_frontends_and_backends() {
+    let _g = serial();
+    let (_lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    let got = agent.programmed(&format!("{}/tcp", vip6())).unwrap().unwrap();
+    let want: Vec<String> = (0..3).map(|i| format!("[{}]:{SERVER_PORT}", backend_ip6(i))).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn tcp_v6_via_socket_lb_reaches_all_backends() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    let v = lab.client_json(true, &["tcp", "--to", &vip6(), "--count", "300"]).unwrap();
+    eprintln!("socket LB v6, 300 TCP connections: {v}");
+    assert_spread(&v, 300);
+    // The IPv4 ClusterIP of the same Service keeps working next to it.
+    let v4 = lab.client_json(true, &["tcp", "--to", &vip4(), "--count", "60"]).unwrap();
+    assert_spread(&v4, 60);
+}
+
+#[test]
+fn udp_v6_via_socket_lb_replies_come_from_the_vip() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    let v = lab.client_json(true, &["udp", "--to", &vip6(), "--count", "300"]).unwrap();
+    eprintln!("socket LB v6, 300 unconnected UDP datagrams: {v}");
+    let sources = v["sources"].as_object().unwrap();
+    assert_eq!(sources.len(), 1, "replies must all appear to come from the VIP: {v}");
+    assert_eq!(sources[&vip6()], 300, "{v}");
+    assert_spread(&v, 300);
+}
+
+#[test]
+fn getpeername_v6_returns_the_vip() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    for udp in [false, true] {
+        let to = vip6();
+        let mut args = vec!["peername", "--to", &to];
+        if udp {
+            args.push("--udp");
+        }
+        let v = lab.client_json(true, &args).unwrap();
+        assert_eq!(v["peer"], vip6(), "udp={udp}: {v}");
+        assert!(v["name"].as_str().unwrap().starts_with("be"), "{v}");
+    }
+}
+
+#[test]
+fn tc_lb_v6_translates_traffic_that_socket_lb_does_not_see() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[0, 1, 2]);
+    let v = lab.client_json(false, &["tcp", "--to", &vip6(), "--count", "300"]).unwrap();
+    eprintln!("TC LB v6, 300 TCP connections: {v}");
+    assert_spread(&v, 300);
+
+    let u = lab.client_json(false, &["udp", "--to", &vip6(), "--count", "60"]).unwrap();
+    let sources = u["sources"].as_object().unwrap();
+    assert_eq!(sources.len(), 1, "UDP replies must come from the VIP (reverse NAT): {u}");
+    assert_eq!(sources[&vip6()], 60, "{u}");
+
+    let b = lab.client_json(false, &["bulk", "--to", &vip6(), "--bytes", &(1u64 << 20).to_string()]).unwrap();
+    eprintln!("TC LB v6, 1 MiB each way: {b}");
+    assert_eq!(b["uploaded"], 1u64 << 20, "{b}");
+    assert_eq!(b["downloaded"], 1u64 << 20, "{b}");
+    assert_eq!(b["upload_backend"], b["download_backend"], "one connection, one backend: {b}");
+}
+
+#[test]
+fn zero_backends_v6_refuse_at_once() {
+    let _g = serial();
+    let (lab, mut agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[]);
+    for socket_lb in [true, false] {
+        let v = lab.client_json(socket_lb, &["connect", "--to", &vip6(), "--timeout-ms", "3000"]).unwrap();
+        eprintln!("zero backends v6, socket_lb={socket_lb}: {v}");
+        assert_eq!(v["outcome"], "ConnectionRefused", "{v}");
+        let ms = v["elapsed_ms"].as_f64().unwrap();
+        assert!(ms < 100.0, "refusal took {ms} ms: {v}");
+    }
+    agent.stop();
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("tc_no_backend_reset=1"), "the v6 SYN was answered by TC: {log}");
+    assert!(log.contains("sock_no_backend=1"), "{log}");
+}
+
+#[test]
+fn dual_stack_socket_dialling_a_v4_mapped_vip_is_balanced_too() {
+    let _g = serial();
+    let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    // An AF_INET6 socket connecting to ::ffff:198.19.0.10 runs only the connect6 hook.
+    let mapped = format!("[::ffff:{VIP4}]:{PORT}");
+    let v = lab.client_json(true, &["tcp", "--to", &mapped, "--count", "150", "--timeout-ms", "500"]).unwrap();
+    eprintln!("socket LB, 150 TCP connections to {mapped}: {v}");
+    assert_spread(&v, 150);
+    for udp in [false, true] {
+        let mut args = vec!["peername", "--to", &mapped];
+        if udp {
+            args.push("--udp");
+        }
+        let p = lab.client_json(true, &args).unwrap();
+        assert_eq!(p["peer"], mapped, "udp={udp}: {p}");
+    }
+    let u = lab.client_json(true, &["udp", "--to", &mapped, "--count", "60"]).unwrap();
+    let sources = u["sources"].as_object().unwrap();
+    assert_eq!(sources.len(), 1, "{u}");
+    assert_eq!(sources[&mapped], 60, "{u}");
+}
+
+#[test]
+fn node_port_v6_from_a_second_node() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    lab.wait_servers6().unwrap();
+    let svc = service_yaml_dual("np", "198.19.0.20", "fd00:19::20", 80, &["TCP"])
+        .replace("spec:\n", "spec:\n  type: NodePort\n")
+        .replace("protocol: TCP}", "protocol: TCP, nodePort: 30080}");
+    let agent = Agent::start(
+        &lab,
+        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        &[
+            ("node.yaml", node_yaml_dual()),
+            ("svc.yaml", svc),
+            ("eps.yaml", slice_yaml("np", &[0, 1, 2], &["TCP"])),
+            ("eps6.yaml", slice_yaml6("np", &[0, 1, 2], &["TCP"])),
+        ],
+    )
+    .unwrap();
+    let np = format!("[{NODE_ADDR6}]:30080");
+    agent.wait_backends(&format!("{np}/tcp"), 3).unwrap();
+    let v = lab.node2_json(&["tcp", "--to", &np, "--count", "150", "--timeout-ms", "500"]).unwrap();
+    eprintln!("v6 NodePort from node2: {v}");
+    assert_spread(&v, 150);
+}
+
+#[test]
+fn client_ip_affinity_v6_on_both_paths() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    lab.wait_servers6().unwrap();
+    let svc = service_yaml_dual("web", VIP4, VIP6, PORT, &["TCP"]).replace(
+        "spec:\n",
+        "spec:\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n",
+    );
+    let agent = Agent::start(
+        &lab,
+        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        &[("svc.yaml", svc), ("eps.yaml", slice_yaml("web", &[0, 1, 2], &["TCP"])), ("eps6.yaml", slice_yaml6("web", &[0, 1, 2], &["TCP"]))],
+    )
+    .unwrap();
+    let fe = format!("{}/tcp", vip6());
+    agent.wait_backends(&fe, 3).unwrap();
+    for socket_lb in [true, false] {
+        let v = lab.client_json(socket_lb, &["tcp", "--to", &vip6(), "--count", "60"]).unwrap();
+        eprintln!("v6 affinity, socket_lb={socket_lb}: {v}");
+        let c = counts(&v);
+        assert_eq!(c.len(), 1, "one client, one backend: {v}");
+        assert_eq!(c[0].1, 60, "{v}");
+        // The chosen backend leaves: the client moves to another one and sticks to it.
+        let gone = c[0].0.clone();
+        let keep: Vec<usize> = (0..3).filter(|i| format!("be{}", i + 1) != gone).collect();
+        agent.write("eps6.yaml", &slice_yaml6("web", &keep, &["TCP"])).unwrap();
+        agent.wait_backends(&fe, 2).unwrap();
+        let v = lab.client_json(socket_lb, &["tcp", "--to", &vip6(), "--count", "30"]).unwrap();
+        let c2 = counts(&v);
+        assert_eq!(c2.len(), 1, "{v}");
+        assert_ne!(c2[0].0, gone, "{v}");
+        agent.write("eps6.yaml", &slice_yaml6("web", &[0, 1, 2], &["TCP"])).unwrap();
+        agent.wait_backends(&fe, 3).unwrap();
+    }
+}
