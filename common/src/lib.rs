@@ -83,8 +83,9 @@ pub enum Stat {
     TcMissingBackend = 8,
     AffinityHit = 9,
     XdpDropNoBackend = 10,
+    TcCtStale = 11,
 }
-pub const STATS_LEN: u32 = 11;
+pub const STATS_LEN: u32 = 12;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -97,6 +98,7 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_missing_backend",
     "affinity_hit",
     "xdp_drop_no_backend",
+    "tc_ct_stale_purged",
 ];
 
 /// Key of `GN_SVC4`.

@@ -160,7 +160,12 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
         }
     }
     let skey = ServiceKey4::master(f.daddr, f.dport, f.proto);
-    let master = unsafe { GN_SVC4.get(&skey) }?;
+    let Some(master) = (unsafe { GN_SVC4.get(&skey) }) else {
+        if fresh_syn || f.proto == PROTO_UDP {
+            forget_stale(f);
+        }
+        return None;
+    };
     let Some((_, be)) = select_backend_affine(&skey, master, f.saddr as u64, AFF_CLIENT_ADDR) else {
         if master.count == 0 {
             return Some(reject(ctx, f));
@@ -186,6 +191,20 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     dnat(ctx, f, be.addr, be.port)?;
     stat(Stat::TcDnat);
     Some(PASS)
+}
+
+/// A new flow straight to a backend (not to a frontend) whose 4-tuple we still remember as the
+/// backend side of an earlier translated flow: that flow is over (the client reuses its port),
+/// so forget it, or this flow's replies would be rewritten to the old frontend.
+#[inline(always)]
+fn forget_stale(f: &Flow) {
+    let rkey = CtKey4 { saddr: f.daddr, daddr: f.saddr, sport: f.dport, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
+    if let Some(v) = unsafe { GN_CT4.get(&rkey) } {
+        let fkey = CtKey4 { saddr: f.saddr, daddr: v.addr, sport: f.sport, dport: v.port, proto: f.proto, dir: CT_DIR_FORWARD, _pad: 0 };
+        let _ = GN_CT4.remove(&fkey);
+        let _ = GN_CT4.remove(&rkey);
+        stat(Stat::TcCtStale);
+    }
 }
 
 /// Source NAT of a backend's reply back to the frontend the client used.
@@ -348,6 +367,18 @@ fn parse6(ctx: &TcContext) -> Option<Flow6> {
     })
 }
 
+/// IPv6 twin of `forget_stale`.
+#[inline(always)]
+fn forget_stale6(f: &Flow6) {
+    let rkey = CtKey6 { saddr: f.daddr, daddr: f.saddr, sport: f.dport, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
+    if let Some(v) = unsafe { GN_CT6.get(&rkey) } {
+        let fkey = CtKey6 { saddr: f.saddr, daddr: v.addr, sport: f.sport, dport: v.port, proto: f.proto, dir: CT_DIR_FORWARD, _pad: 0 };
+        let _ = GN_CT6.remove(&fkey);
+        let _ = GN_CT6.remove(&rkey);
+        stat(Stat::TcCtStale);
+    }
+}
+
 #[inline(always)]
 fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     if let Some(v) = rev_nat6(ctx, f) {
@@ -367,7 +398,12 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         }
     }
     let skey = ServiceKey6::master(f.daddr, f.dport, f.proto);
-    let master = unsafe { GN_SVC6.get(&skey) }?;
+    let Some(master) = (unsafe { GN_SVC6.get(&skey) }) else {
+        if fresh_syn || f.proto == PROTO_UDP {
+            forget_stale6(f);
+        }
+        return None;
+    };
     let Some((_, be)) = select_backend_affine6(&skey, master, f.saddr, AFF_CLIENT_ADDR) else {
         if master.count == 0 {
             return Some(reject6(ctx, f));

@@ -189,3 +189,23 @@ fn zero_backends_refuse_at_once() {
     assert!(log.contains("tc_no_backend_reset=1"), "the SYN went on to TC, which answered it: {log}");
     assert!(log.contains("tc_no_backend_drop=0"), "{log}");
 }
+
+#[test]
+fn a_direct_connection_reusing_a_translated_flows_port_is_not_rewritten() {
+    let _g = serial();
+    let (lab, mut agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[0, 1, 2]);
+    // Through TC LB from a fixed port, then straight to the backend that answered, from the
+    // same port: the second flow must not be mistaken for the first one's replies.
+    let v = lab.client_json(false, &["tcp", "--to", &vip(), "--count", "1", "--bind-port", "40123"]).unwrap();
+    let name = counts(&v)[0].0.clone();
+    let i: usize = name.trim_start_matches("be").parse::<usize>().unwrap() - 1;
+    let direct = format!("{}:{SERVER_PORT}", backend_ip(i));
+    let d = lab.client_json(false, &["tcp", "--to", &direct, "--count", "1", "--bind-port", "40123", "--timeout-ms", "1500"]).unwrap();
+    assert_eq!(counts(&d), vec![(name.clone(), 1)], "direct connection after a VIP connection from the same port: {d}");
+    // And back to the VIP from that port: translated again.
+    let v = lab.client_json(false, &["tcp", "--to", &vip(), "--count", "1", "--bind-port", "40123"]).unwrap();
+    assert_eq!(counts(&v).iter().map(|(_, n)| n).sum::<u64>(), 1, "{v}");
+    agent.stop();
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("tc_ct_stale_purged=1"), "{log}");
+}

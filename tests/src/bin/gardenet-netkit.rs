@@ -35,6 +35,9 @@ enum Cmd {
         count: u32,
         #[arg(long, default_value_t = 2000)]
         timeout_ms: u64,
+        /// Connect from this local port (SO_REUSEADDR), e.g. to reuse a 4-tuple on purpose.
+        #[arg(long)]
+        bind_port: Option<u16>,
     },
     /// COUNT datagrams from one unconnected UDP socket; counts answers by name and by source.
     Udp {
@@ -92,7 +95,7 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Serve { name, port } => serve(&name, port),
-        Cmd::Tcp { to, count, timeout_ms } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms)),
+        Cmd::Tcp { to, count, timeout_ms, bind_port } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port),
         Cmd::Udp { to, count, timeout_ms, fresh_socket } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket),
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms } => connect(to, Duration::from_millis(timeout_ms)),
@@ -213,8 +216,18 @@ fn err_kind(e: &std::io::Error) -> String {
     format!("{:?}", e.kind())
 }
 
-fn request(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let s = TcpStream::connect_timeout(&to, timeout)?;
+fn dial(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io::Result<TcpStream> {
+    let Some(port) = bind_port else { return TcpStream::connect_timeout(&to, timeout) };
+    let s = socket2::Socket::new(socket2::Domain::for_address(to), socket2::Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    let local: SocketAddr = if to.is_ipv4() { ([0, 0, 0, 0], port).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, port).into() };
+    s.bind(&local.into())?;
+    s.connect_timeout(&to.into(), timeout)?;
+    Ok(s.into())
+}
+
+fn request(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io::Result<String> {
+    let s = dial(to, timeout, bind_port)?;
     s.set_read_timeout(Some(timeout))?;
     (&s).write_all(b"HELLO\n")?;
     let mut line = String::new();
@@ -226,12 +239,12 @@ fn request(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
     Ok(line.trim().to_owned())
 }
 
-fn tcp(to: SocketAddr, count: u32, timeout: Duration) -> Result<()> {
+fn tcp(to: SocketAddr, count: u32, timeout: Duration, bind_port: Option<u16>) -> Result<()> {
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
     let t0 = Instant::now();
     for _ in 0..count {
-        match request(to, timeout) {
+        match request(to, timeout, bind_port) {
             Ok(n) => *counts.entry(n).or_default() += 1,
             Err(e) => *errors.entry(err_kind(&e)).or_default() += 1,
         }
