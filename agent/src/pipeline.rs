@@ -2,7 +2,10 @@
 //!
 //! Only the Services touched by an event are re-translated and re-programmed, so one
 //! EndpointSlice change costs map writes proportional to its own endpoints.
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::{
+    collections::{BTreeSet, HashMap, HashSet},
+    sync::Arc,
+};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
@@ -35,8 +38,8 @@ pub struct Pipeline<M: LbMaps> {
     maps: M,
     lb: LbState,
     node: NodeInfo,
-    services: HashMap<String, Service>,
-    slices: HashMap<String, EndpointSlice>,
+    services: HashMap<String, Arc<Service>>,
+    slices: HashMap<String, Arc<EndpointSlice>>,
     slices_by_svc: HashMap<String, BTreeSet<String>>,
     /// Frontends each Service currently owns in the maps.
     owned: HashMap<String, BTreeSet<Frontend>>,
@@ -112,7 +115,7 @@ impl<M: LbMaps> Pipeline<M> {
                 let k = translate::service_key(&s);
                 self.seen(Some(&k), None);
                 self.dirty.insert(k.clone());
-                self.services.insert(k, *s);
+                self.services.insert(k, s);
             }
             SourceEvent::ServiceDeleted(s) => {
                 let k = translate::service_key(&s);
@@ -127,7 +130,7 @@ impl<M: LbMaps> Pipeline<M> {
                     self.slices_by_svc.entry(svc.clone()).or_default().insert(k.clone());
                     self.dirty.insert(svc);
                 }
-                self.slices.insert(k, *sl);
+                self.slices.insert(k, sl);
             }
             SourceEvent::SliceDeleted(sl) => {
                 let k = obj_key(sl.metadata.namespace.as_ref(), sl.metadata.name.as_ref());
@@ -222,7 +225,7 @@ impl<M: LbMaps> Pipeline<M> {
                     .get(key)
                     .into_iter()
                     .flatten()
-                    .filter_map(|k| self.slices.get(k))
+                    .filter_map(|k| self.slices.get(k).map(|s| &**s))
                     .collect();
                 translate::translate(svc, &slices, &self.node)
             }
@@ -333,7 +336,7 @@ mod tests {
     #[test]
     fn nothing_is_programmed_before_the_first_sync() {
         let mut p = pipeline();
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
         assert_eq!(p.flush().services, 0);
         p.handle(SourceEvent::Synced);
         assert_eq!(p.flush().services, 1);
@@ -344,12 +347,12 @@ mod tests {
     fn slice_change_touches_only_its_service() {
         let mut p = pipeline();
         for i in 0..10 {
-            p.handle(SourceEvent::ServiceApplied(Box::new(web(&format!("10.96.0.{i}"), &format!("s{i}")))));
-            p.handle(SourceEvent::SliceApplied(Box::new(eps(&format!("s{i}"), &format!("s{i}-x"), &["10.0.0.1", "10.0.0.2"]))));
+            p.handle(SourceEvent::ServiceApplied(Arc::new(web(&format!("10.96.0.{i}"), &format!("s{i}")))));
+            p.handle(SourceEvent::SliceApplied(Arc::new(eps(&format!("s{i}"), &format!("s{i}-x"), &["10.0.0.1", "10.0.0.2"]))));
         }
         p.handle(SourceEvent::Synced);
         p.flush();
-        p.handle(SourceEvent::SliceApplied(Box::new(eps("s3", "s3-x", &["10.0.0.1", "10.0.0.2", "10.0.0.9"]))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("s3", "s3-x", &["10.0.0.1", "10.0.0.2", "10.0.0.9"]))));
         let r = p.flush();
         assert_eq!(r.services, 1);
         assert!(r.writes.total() <= 3, "{:?}", r.writes);
@@ -359,15 +362,15 @@ mod tests {
     #[test]
     fn conflicting_frontend_goes_to_the_first_and_moves_when_released() {
         let mut p = pipeline();
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
-        p.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1"]))));
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "b"))));
-        p.handle(SourceEvent::SliceApplied(Box::new(eps("b", "b-x", &["10.0.0.2"]))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.1"]))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "b"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("b", "b-x", &["10.0.0.2"]))));
         p.handle(SourceEvent::Synced);
         let r = p.flush();
         assert!(r.problems.iter().any(|pr| pr.service == "d/b" && pr.message.contains("already used by service d/a")));
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080"]);
-        p.handle(SourceEvent::ServiceDeleted(Box::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.1", "a"))));
         p.flush();
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.2:8080"]);
     }
@@ -375,12 +378,12 @@ mod tests {
     #[test]
     fn resync_drops_objects_that_vanished() {
         let mut p = pipeline();
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.2", "b"))));
         p.handle(SourceEvent::Synced);
         p.flush();
         p.handle(SourceEvent::Resync);
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.2", "b"))));
         p.handle(SourceEvent::Synced);
         p.flush();
         assert_eq!(p.lb().frontend_count(), 1);
@@ -390,16 +393,16 @@ mod tests {
     #[test]
     fn restart_adopts_and_prunes_only_what_is_gone() {
         let mut p = pipeline();
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
-        p.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1"]))));
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.1"]))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.2", "b"))));
         p.handle(SourceEvent::Synced);
         p.flush();
         let maps = std::mem::take(&mut p.maps);
         let lb = LbState::adopt(&maps.dump());
         let mut p2 = Pipeline::new(MemMaps { check_invariant: true, ..maps }, lb, NodeInfo::default());
-        p2.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
-        p2.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1"]))));
+        p2.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p2.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.1"]))));
         p2.handle(SourceEvent::Synced);
         let r = p2.flush();
         // a unchanged: no writes for it; b gone: master + nothing else.
@@ -411,10 +414,10 @@ mod tests {
     #[test]
     fn full_map_is_reported_and_others_keep_working() {
         let mut p = Pipeline::new(MemMaps { check_invariant: true, max_backends: Some(2), ..Default::default() }, LbState::new(), NodeInfo::default());
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.1", "a"))));
-        p.handle(SourceEvent::SliceApplied(Box::new(eps("a", "a-x", &["10.0.0.1", "10.0.0.2"]))));
-        p.handle(SourceEvent::ServiceApplied(Box::new(web("10.96.0.2", "b"))));
-        p.handle(SourceEvent::SliceApplied(Box::new(eps("b", "b-x", &["10.0.0.3"]))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.1", "10.0.0.2"]))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.2", "b"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("b", "b-x", &["10.0.0.3"]))));
         p.handle(SourceEvent::Synced);
         let r = p.flush();
         assert!(r.problems.iter().any(|pr| pr.message.contains("full")), "{:?}", r.problems);

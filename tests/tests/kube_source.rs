@@ -246,7 +246,7 @@ async fn watch_changes_are_forwarded() {
         panic!("expected a Service, got {event:?}")
     };
     assert_eq!(
-        svc.spec.unwrap().ports.unwrap()[0].port,
+        svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port,
         81,
         "the modified Service is forwarded"
     );

@@ -18,10 +18,10 @@ use super::{EventTx, SourceEvent};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Object {
-    Service(Box<Service>),
-    Slice(Box<EndpointSlice>),
+    Service(std::sync::Arc<Service>),
+    Slice(std::sync::Arc<EndpointSlice>),
     /// Only this agent's own Node is kept (its addresses serve NodePorts).
-    Node(Box<Node>),
+    Node(std::sync::Arc<Node>),
 }
 
 impl Object {
@@ -57,9 +57,9 @@ pub fn parse_manifests(text: &str, origin: &str) -> Result<Vec<(ObjKey, Object)>
         let kind = v.get("kind").and_then(|k| k.as_str()).unwrap_or("");
         let what = format!("{origin}: document {} ({kind})", i + 1);
         let (kind, obj): (&'static str, Object) = match kind {
-            "Service" => ("Service", Object::Service(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
-            "EndpointSlice" => ("EndpointSlice", Object::Slice(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
-            "Node" => ("Node", Object::Node(Box::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
+            "Service" => ("Service", Object::Service(std::sync::Arc::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
+            "EndpointSlice" => ("EndpointSlice", Object::Slice(std::sync::Arc::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
+            "Node" => ("Node", Object::Node(std::sync::Arc::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
             _ => continue,
         };
         let meta = match &obj {

@@ -117,24 +117,44 @@ enum Kind {
 
 #[derive(Clone, Debug)]
 enum Obj {
-    Service(Box<Service>),
-    Slice(Box<EndpointSlice>),
-    Node(Box<Node>),
+    Service(std::sync::Arc<Service>),
+    Slice(std::sync::Arc<EndpointSlice>),
+    Node(std::sync::Arc<Node>),
+}
+
+/// Drops what translation never reads and can be large: the last-applied annotation, and
+/// (done for all kinds at the watcher) managedFields.
+fn slim_service(mut o: Service) -> Service {
+    if let Some(a) = o.metadata.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    o
+}
+
+/// Endpoint references to their pods and the deprecated topology map are never read; they
+/// are most of an EndpointSlice's size.
+fn slim_slice(mut o: EndpointSlice) -> EndpointSlice {
+    o.metadata.annotations = None;
+    for ep in o.endpoints.iter_mut().flatten() {
+        ep.target_ref = None;
+        ep.deprecated_topology = None;
+    }
+    o
 }
 
 impl From<Service> for Obj {
     fn from(o: Service) -> Self {
-        Obj::Service(Box::new(o))
+        Obj::Service(std::sync::Arc::new(slim_service(o)))
     }
 }
 impl From<EndpointSlice> for Obj {
     fn from(o: EndpointSlice) -> Self {
-        Obj::Slice(Box::new(o))
+        Obj::Slice(std::sync::Arc::new(slim_slice(o)))
     }
 }
 impl From<Node> for Obj {
     fn from(o: Node) -> Self {
-        Obj::Node(Box::new(o))
+        Obj::Node(std::sync::Arc::new(o))
     }
 }
 

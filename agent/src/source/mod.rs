@@ -1,19 +1,22 @@
 //! Where Services and EndpointSlices come from. Every source turns its input into the same
 //! stream of [`SourceEvent`]s, so the rest of the agent does not know (or care) which one runs.
+use std::sync::Arc;
+
 use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
 
 pub mod dir;
 pub mod kube;
 
-/// One change seen by a source.
+/// One change seen by a source. Objects are shared (`Arc`): a source that keeps its own cache
+/// and the pipeline hold one allocation per object between them.
 #[derive(Clone, Debug)]
 pub enum SourceEvent {
-    ServiceApplied(Box<Service>),
-    ServiceDeleted(Box<Service>),
-    SliceApplied(Box<EndpointSlice>),
-    SliceDeleted(Box<EndpointSlice>),
+    ServiceApplied(Arc<Service>),
+    ServiceDeleted(Arc<Service>),
+    SliceApplied(Arc<EndpointSlice>),
+    SliceDeleted(Arc<EndpointSlice>),
     /// This agent's own Node (addresses, zone).
-    NodeApplied(Box<Node>),
+    NodeApplied(Arc<Node>),
     /// Everything the source had at start (or after a relist) has been sent: the agent may
     /// now program the dataplane and report ready. Objects not re-sent since the last
     /// `Resync` started are gone.

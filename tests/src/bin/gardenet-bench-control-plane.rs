@@ -498,11 +498,11 @@ fn run_pipeline<M: LbMaps + Dump>(a: &Args, maps: M, world: &mut World, pin_dir:
     let t = Instant::now();
     let mut events: Vec<SourceEvent> = Vec::with_capacity(2 * n + 1);
     for i in 0..n {
-        events.push(SourceEvent::ServiceApplied(Box::new(service(i, a.udp))));
+        events.push(SourceEvent::ServiceApplied(std::sync::Arc::new(service(i, a.udp))));
     }
     rep.rss_services_kib = status_kib("self", "VmRSS:").unwrap_or(0);
     for i in 0..n {
-        events.push(SourceEvent::SliceApplied(Box::new(slice(i, &world.eps[i], a.udp, world.rv[i]))));
+        events.push(SourceEvent::SliceApplied(std::sync::Arc::new(slice(i, &world.eps[i], a.udp, world.rv[i]))));
     }
     rep.gen = t.elapsed();
     rep.rss_before_sync_kib = status_kib("self", "VmRSS:").unwrap_or(0);
@@ -562,7 +562,7 @@ fn run_pipeline<M: LbMaps + Dump>(a: &Args, maps: M, world: &mut World, pin_dir:
         };
         world.rv[i] += 1;
         // The source hands over a boxed object: built outside the timed region.
-        let ev = SourceEvent::SliceApplied(Box::new(slice(i, &world.eps[i], a.udp, world.rv[i])));
+        let ev = SourceEvent::SliceApplied(std::sync::Arc::new(slice(i, &world.eps[i], a.udp, world.rv[i])));
         let t0 = Instant::now();
         p.handle(ev);
         let t1 = Instant::now();

@@ -51,10 +51,22 @@ struct Args {
     /// Longest wait for the agent to program a manifest change (seconds).
     #[arg(long, default_value_t = 300)]
     program_timeout_s: u64,
+    /// Backends per Service (and backend hosts in the lab). With 1, "direct" and the LB
+    /// modes talk to the very same server, which isolates the cost of the LB itself.
+    #[arg(long, default_value_t = 3)]
+    backends: usize,
+    /// Phases to run: socket, tc, iptables.
+    #[arg(long, value_delimiter = ',', default_value = "socket,tc,iptables")]
+    phases: Vec<String>,
 }
 
 const PORT: u16 = 80;
-const NBE: usize = 3;
+static NBE_CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Backends per Service (`--backends`).
+fn nbe() -> usize {
+    *NBE_CELL.get().unwrap_or(&3)
+}
 const MAX_SERVICES: usize = 60_000;
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -102,7 +114,7 @@ fn measured(n: usize) -> usize {
 
 /// One multi-document YAML file with `n` Services and their EndpointSlices (3 backends each).
 fn manifests(n: usize) -> String {
-    let bes: Vec<usize> = (0..NBE).collect();
+    let bes: Vec<usize> = (0..nbe()).collect();
     let mut s = String::with_capacity(n * 700);
     for i in 0..n {
         let name = svc_name(i);
@@ -127,7 +139,7 @@ fn wait_programmed(agent: &Agent, n: usize, t0: Instant, timeout: Duration) -> R
                 fe["proto"] == "tcp"
                     && fe["port"] == PORT
                     && fe["addr"].as_str().and_then(vip_index).is_some_and(|i| i < n)
-                    && f["backends"].as_array().is_some_and(|b| b.len() == NBE)
+                    && f["backends"].as_array().is_some_and(|b| b.len() == nbe())
             })
             .count();
         if ours == n && fes.len() == n {
@@ -157,7 +169,7 @@ struct Mode {
 impl Mode {
     fn to(&self, run: usize) -> String {
         match &self.target {
-            Target::Direct => format!("{}:{SERVER_PORT}", backend_ip(run % NBE)),
+            Target::Direct => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
             Target::Vip(v) => format!("{v}:{PORT}"),
         }
     }
@@ -264,7 +276,7 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results) 
         let c = counts(&v);
         let want = match m.target {
             Target::Direct => 1,
-            Target::Vip(_) => NBE,
+            Target::Vip(_) => nbe(),
         };
         if errors > 0 || c.len() != want {
             bail!("{} with {n} services: sanity check failed (expected {want} backend(s) answering, no errors): {v}", m.row);
@@ -379,11 +391,11 @@ fn kube_ruleset(n: usize) -> String {
             "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{port_name} cluster IP\" -m tcp --dport {PORT} -j {svc}\n",
             vip(i)
         ));
-        for b in 0..NBE {
+        for b in 0..nbe() {
             let ep = format!("{}:{SERVER_PORT}", backend_ip(b));
             let sep = format!("KUBE-SEP-{}", chain_hash(&format!("{port_name}tcp{ep}")));
             chains.push_str(&format!(":{sep} - [0:0]\n"));
-            let left = NBE - b;
+            let left = nbe() - b;
             if left > 1 {
                 per_svc.push_str(&format!(
                     "-A {svc} -m comment --comment \"{port_name} -> {ep}\" -m statistic --mode random --probability {:.11} -j {sep}\n",
@@ -549,7 +561,7 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
 /// timeouts, few connections. The count of failures goes into the report.
 fn stale_ct_probe(lab: &Lab, n: usize, res: &mut Results) -> Result<()> {
     let (per, mut failed, mut total) = (100u32, 0u64, 0u64);
-    for b in 0..NBE {
+    for b in 0..nbe() {
         let to = format!("{}:{SERVER_PORT}", backend_ip(b));
         let v = client_json(lab, false, &["tcp", "--to", &to, "--count", &per.to_string(), "--timeout-ms", "300"])?;
         failed += v["errors"].as_object().into_iter().flatten().map(|(_, n)| n.as_u64().unwrap_or(0)).sum::<u64>();
@@ -787,18 +799,30 @@ fn main() -> Result<()> {
         eprintln!("bench: {k}: {v}");
     }
 
+    let _ = NBE_CELL.set(args.backends.clamp(1, 3));
     let t0 = Instant::now();
-    let lab = Lab::new(NBE)?;
+    let lab = Lab::new(nbe())?;
     // A wide ephemeral port range in the client namespace: tens of thousands of connections
     // per minute to one destination must not run out of ports in TIME_WAIT.
     lab.client.sysctl("net.ipv4.ip_local_port_range", "1024 65535")?;
+    // And reuse of TIME_WAIT ports for new outgoing connections: without it, runs late in a
+    // phase search a nearly exhausted port space and measure that instead of the datapath.
+    lab.client.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
     eprintln!("bench: lab {} up in {:.1} s", lab.tag, t0.elapsed().as_secs_f64());
 
     let mut res = Results::default();
     let run = (|| -> Result<()> {
-        phase_socket_lb(&lab, &args, &mut res)?;
-        phase_tc_lb(&lab, &args, &mut res)?;
-        phase_iptables(&lab, &args, &backends, &mut res)
+        let on = |p: &str| args.phases.iter().any(|x| x == p);
+        if on("socket") {
+            phase_socket_lb(&lab, &args, &mut res)?;
+        }
+        if on("tc") {
+            phase_tc_lb(&lab, &args, &mut res)?;
+        }
+        if on("iptables") {
+            phase_iptables(&lab, &args, &backends, &mut res)?;
+        }
+        Ok(())
     })();
     let mut env = env;
     env.push(("load average (1/5/15 min) at the end".into(), loadavg()));
