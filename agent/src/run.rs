@@ -145,7 +145,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if args.reset {
         dataplane::remove_pins(&args.bpffs)?;
     }
-    let config = load_config(args.config.as_deref())?;
+    let config = match (&args.config, &args.status.network, &args.source) {
+        (None, Some(network), SourceSpec::Kube) => config_from_network(&args, network).await,
+        _ => load_config(args.config.as_deref())?,
+    };
     let sizes = MapSizes {
         services: args.map_services.unwrap_or(config.map_sizes.services),
         backends: args.map_backends.unwrap_or(config.map_sizes.backends),
@@ -321,6 +324,29 @@ pub async fn run(args: RunArgs) -> Result<()> {
     endpoints.iter().for_each(|e| e.abort());
     // Maps (and, without --detach-on-exit, links) stay pinned for the next run.
     Ok(())
+}
+
+/// The NetworkConfig from the `providerConfig` of the Network the agent is pointed at (it
+/// may live in another cluster: `--network-kubeconfig`). An unreadable or invalid one is
+/// reported and the defaults are used, so the node still routes Services.
+async fn config_from_network(args: &RunArgs, network: &status::network::NetworkRef) -> crate::gardener::config::NetworkConfig {
+    let fetched = async {
+        let kubeconfig = args.status.network_kubeconfig.clone().or_else(|| args.kubeconfig.clone());
+        let client = source::kube::client_from_env(kubeconfig).await?;
+        let api: kube::Api<crate::gardener::network::Network> = kube::Api::namespaced(client, &network.namespace);
+        let n = tokio::time::timeout(Duration::from_secs(10), api.get(&network.name)).await??;
+        Ok::<_, anyhow::Error>(crate::gardener::config::NetworkConfig::from_network(&n)?)
+    };
+    match fetched.await {
+        Ok(c) => {
+            tracing::info!("NetworkConfig read from Network {network}");
+            c
+        }
+        Err(e) => {
+            tracing::warn!("NetworkConfig from Network {network}: {e:#}; using the defaults");
+            Default::default()
+        }
+    }
 }
 
 /// Loads the programs and attaches socket LB (interfaces come later, from the link manager).

@@ -112,3 +112,49 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
     let _ = std::fs::remove_dir_all(&bpffs);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_reads_its_network_config_from_the_network_object() {
+    let lab = Lab::new(1).unwrap();
+    let api = ApiServer::start().await;
+    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir);
+    api.apply(json!({"apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
+        "metadata": {"name": "net", "namespace": "shoot--lab", "generation": 1},
+        "spec": {"type": "gardenet", "podCIDR": "100.64.0.0/12", "serviceCIDR": "198.19.0.0/16", "ipFamilies": ["IPv4"],
+                 "providerConfig": {"apiVersion": "gardenet.networking.extensions.gardener.cloud/v1alpha1", "kind": "NetworkConfig",
+                                    "socketLB": {"enabled": false}, "xdp": {"mode": "off"}}}}));
+    let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}n", lab.tag));
+    let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
+    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--reset", "--detach-on-exit", "--network", "shoot--lab/net"])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg(format!("--bpffs={}", bpffs.display()))
+        .arg(format!("--cgroup={}", lab.cgroup.path.display()))
+        .arg(format!("--state-dir={}", dir.join("state").display()))
+        .args(["--interface-include", "^$", "--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped());
+    let mut agent = Proc::spawn(cmd, "gardenet-agent (network config)").unwrap();
+    let stderr = agent.child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("    agent| {l}");
+            let _ = tx.send(l);
+        }
+    });
+    let mut log = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !log.iter().any(|l: &String| l.contains("ready:")) {
+        log.push(rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("agent ready"));
+    }
+    agent.terminate();
+    let log = log.join("\n");
+    assert!(log.contains("NetworkConfig read from Network shoot--lab/net"), "{log}");
+    assert!(!log.contains("socket LB attached"), "providerConfig socketLB.enabled=false must be honoured:\n{log}");
+    let _ = std::fs::remove_dir_all(&bpffs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
