@@ -149,6 +149,24 @@ pub async fn run(args: RunArgs) -> Result<()> {
         (None, Some(network), SourceSpec::Kube) => config_from_network(&args, network).await,
         _ => load_config(args.config.as_deref())?,
     };
+    // Gardener's contract: while kube-proxy routes Services, gardenet stays out of the way
+    // unless the NetworkConfig asks it to take over.
+    let routing = config.service_routing(args.status.kube_proxy_enabled);
+    if let (SourceSpec::Kube, false) = (&args.source, routing.active()) {
+        tracing::info!(?routing, "kube-proxy routes Services here (--kube-proxy-enabled); gardenet stays passive");
+        state.set_programs_loaded(true);
+        state.set_synced(true);
+        if !args.node_name.is_empty() {
+            let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
+            let reporting = status::Reporting::start(&args.status, client, &args.node_name, state.clone(), config.clone(), false).await?;
+            wait_for_shutdown(&state).await?;
+            reporting.stop().await;
+        } else {
+            wait_for_shutdown(&state).await?;
+        }
+        endpoints.iter().for_each(|h| h.abort());
+        return Ok(());
+    }
     let sizes = MapSizes {
         services: args.map_services.unwrap_or(config.map_sizes.services),
         backends: args.map_backends.unwrap_or(config.map_sizes.backends),

@@ -231,7 +231,8 @@ fn daemonset_properties() {
             "--cgroup",
             "/run/gardenet/cgroupv2",
             "--config",
-            "/etc/gardenet/config.yaml"
+            "/etc/gardenet/config.yaml",
+            "--kube-proxy-enabled=false"
         ]
     );
     let node_name = agent

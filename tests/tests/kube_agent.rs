@@ -48,7 +48,7 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
 
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}k", lab.tag));
     let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
-    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--reset", "--detach-on-exit"])
+    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--reset", "--detach-on-exit", "--kube-proxy-enabled", "false"])
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .arg(format!("--bpffs={}", bpffs.display()))
@@ -127,7 +127,7 @@ async fn agent_reads_its_network_config_from_the_network_object() {
                                     "socketLB": {"enabled": false}, "xdp": {"mode": "off"}}}}));
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}n", lab.tag));
     let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
-    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--reset", "--detach-on-exit", "--network", "shoot--lab/net"])
+    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--reset", "--detach-on-exit", "--network", "shoot--lab/net", "--kube-proxy-enabled", "false"])
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .arg(format!("--bpffs={}", bpffs.display()))
@@ -156,5 +156,45 @@ async fn agent_reads_its_network_config_from_the_network_object() {
     assert!(log.contains("NetworkConfig read from Network shoot--lab/net"), "{log}");
     assert!(!log.contains("socket LB attached"), "providerConfig socketLB.enabled=false must be honoured:\n{log}");
     let _ = std::fs::remove_dir_all(&bpffs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_stays_passive_while_kube_proxy_routes_services() {
+    let lab = Lab::new(1).unwrap();
+    let api = ApiServer::start().await;
+    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir);
+    api.apply(service("web", "198.19.0.10", 80));
+    let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}p", lab.tag));
+    let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
+    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--kube-proxy-enabled", "true", "--interface-include", "^$"])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg(format!("--bpffs={}", bpffs.display()))
+        .arg(format!("--cgroup={}", lab.cgroup.path.display()))
+        .args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped());
+    let mut agent = Proc::spawn(cmd, "gardenet-agent (passive)").unwrap();
+    let stderr = agent.child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("    agent| {l}");
+            let _ = tx.send(l);
+        }
+    });
+    let mut log = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !log.iter().any(|l: &String| l.contains("stays passive")) {
+        log.push(rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("passive line"));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(lab.cgroup.programs(gardenet_agent::pinned_link::AttachType::Connect4).unwrap().is_empty(), "nothing attached while kube-proxy routes");
+    assert!(!bpffs.exists(), "nothing loaded or pinned");
+    agent.terminate();
     let _ = std::fs::remove_dir_all(&dir);
 }

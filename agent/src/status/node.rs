@@ -223,17 +223,24 @@ impl NodeReporter {
     pub async fn run(self, mut shutdown: Shutdown) {
         let mut changes = self.state.subscribe();
         let mut next_heartbeat = Instant::now();
+        let mut backoff = self.config.retry;
         loop {
             // Before reading the state: a change during the write wakes the next round.
             changes.mark_unchanged();
             let heartbeat = Instant::now() >= next_heartbeat;
             match self.report(heartbeat, false).await {
-                Ok(_) if heartbeat => next_heartbeat = Instant::now() + self.config.heartbeat,
-                Ok(_) => {}
+                Ok(_) => {
+                    backoff = self.config.retry;
+                    if heartbeat {
+                        next_heartbeat = Instant::now() + self.config.heartbeat;
+                    }
+                }
                 Err(e) => {
-                    tracing::warn!("reporting node readiness: {e:#}");
-                    // Retry soon, as a heartbeat (the write is what failed).
-                    next_heartbeat = next_heartbeat.min(Instant::now() + self.config.retry);
+                    tracing::warn!(retry_in = ?backoff, "reporting node readiness: {e:#}");
+                    // Retry as a heartbeat (the write is what failed), backing off while it
+                    // keeps failing (e.g. the Node does not exist): never a busy loop.
+                    next_heartbeat = Instant::now() + backoff;
+                    backoff = (backoff * 2).min(self.config.heartbeat);
                 }
             }
             tokio::select! {
