@@ -181,7 +181,7 @@ fn install_bpf_linker() -> Result<()> {
     eprintln!("xtask: installing bpf-linker against {}/{llvm} (LLVM {major})", lib.display());
     let flags = format!("-L {} -C link-arg=-l:{llvm} -C link-arg=-Wl,-rpath,{}", lib.display(), lib.display());
     run(Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-        .args(["install", "--locked", "bpf-linker", "--no-default-features", "--features"])
+        .args(["install", "bpf-linker", "--no-default-features", "--features"])
         .arg(format!("llvm-{major},no-llvm-linking"))
         .env("RUSTFLAGS", flags))
 }
