@@ -32,6 +32,44 @@ fn slice(svc: &str, backends: &[usize]) -> serde_json::Value {
            "addressType": "IPv4", "ports": [{"name": "p-tcp", "port": SERVER_PORT, "protocol": "TCP"}], "endpoints": eps})
 }
 
+
+/// `gardenet-agent run --source kube` against `kubeconfig`, socket LB on the lab's cgroup, no
+/// interface selected; `extra` flags are appended. Returns the process and its log lines.
+fn spawn_agent(lab: &Lab, kubeconfig: &std::path::Path, bpffs: &std::path::Path, dir: &std::path::Path, extra: &[&str]) -> (Proc, mpsc::Receiver<String>) {
+    let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
+    cmd.args(["run", "--source", "kube", "--node-name", "lab-node"])
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .arg(format!("--bpffs={}", bpffs.display()))
+        .arg(format!("--cgroup={}", lab.cgroup.path.display()))
+        .arg(format!("--state-dir={}", dir.join("state").display()))
+        .args(["--interface-include", "^$", "--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped());
+    let mut agent = Proc::spawn(cmd, "gardenet-agent (kube)").unwrap();
+    let stderr = agent.child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("    agent| {l}");
+            let _ = tx.send(l);
+        }
+    });
+    (agent, rx)
+}
+
+/// Log lines up to and including the first that contains `needle` (30 s at most).
+fn wait_for(rx: &mpsc::Receiver<String>, needle: &str) -> Vec<String> {
+    let mut log = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !log.iter().any(|l: &String| l.contains(needle)) {
+        log.push(rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| panic!("no {needle:?} in:\n{}", log.join("\n"))));
+    }
+    log
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_follows_the_api_server_and_reports_bad_services() {
     let lab = Lab::new(3).unwrap();
@@ -47,34 +85,8 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
                      "status": {"addresses": [{"type": "InternalIP", "address": "198.18.2.1"}]}}));
 
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}k", lab.tag));
-    let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
-    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--reset", "--detach-on-exit", "--kube-proxy-enabled", "false"])
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .arg(format!("--bpffs={}", bpffs.display()))
-        .arg(format!("--cgroup={}", lab.cgroup.path.display()))
-        .arg(format!("--state-dir={}", dir.join("state").display()))
-        .args(["--interface-include", "^$", "--xdp-mode", "off"])
-        .args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped());
-    let mut agent = Proc::spawn(cmd, "gardenet-agent (kube)").unwrap();
-    let (tx, rx) = mpsc::channel();
-    let stderr = agent.child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("    agent| {l}");
-            let _ = tx.send(l);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let l = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("agent ready");
-        if l.contains("ready:") {
-            break;
-        }
-    }
+    let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--reset", "--detach-on-exit", "--kube-proxy-enabled", "false", "--xdp-mode", "off"]);
+    wait_for(&rx, "ready:");
 
     let to = "198.19.0.10:80";
     let v = tokio::task::block_in_place(|| lab.client_json(true, &["tcp", "--to", to, "--count", "150"])).unwrap();
@@ -126,31 +138,8 @@ async fn agent_reads_its_network_config_from_the_network_object() {
                  "providerConfig": {"apiVersion": "gardenet.networking.extensions.gardener.cloud/v1alpha1", "kind": "NetworkConfig",
                                     "socketLB": {"enabled": false}, "xdp": {"mode": "off"}}}}));
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}n", lab.tag));
-    let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
-    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--reset", "--detach-on-exit", "--network", "shoot--lab/net", "--kube-proxy-enabled", "false"])
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .arg(format!("--bpffs={}", bpffs.display()))
-        .arg(format!("--cgroup={}", lab.cgroup.path.display()))
-        .arg(format!("--state-dir={}", dir.join("state").display()))
-        .args(["--interface-include", "^$", "--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped());
-    let mut agent = Proc::spawn(cmd, "gardenet-agent (network config)").unwrap();
-    let stderr = agent.child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("    agent| {l}");
-            let _ = tx.send(l);
-        }
-    });
-    let mut log = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !log.iter().any(|l: &String| l.contains("ready:")) {
-        log.push(rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("agent ready"));
-    }
+    let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--reset", "--detach-on-exit", "--network", "shoot--lab/net", "--kube-proxy-enabled", "false"]);
+    let log = wait_for(&rx, "ready:");
     agent.terminate();
     let log = log.join("\n");
     assert!(log.contains("NetworkConfig read from Network shoot--lab/net"), "{log}");
@@ -168,30 +157,8 @@ async fn agent_stays_passive_while_kube_proxy_routes_services() {
     let kubeconfig = api.kubeconfig(&dir);
     api.apply(service("web", "198.19.0.10", 80));
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}p", lab.tag));
-    let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
-    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--kube-proxy-enabled", "true", "--interface-include", "^$"])
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .arg(format!("--bpffs={}", bpffs.display()))
-        .arg(format!("--cgroup={}", lab.cgroup.path.display()))
-        .args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped());
-    let mut agent = Proc::spawn(cmd, "gardenet-agent (passive)").unwrap();
-    let stderr = agent.child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("    agent| {l}");
-            let _ = tx.send(l);
-        }
-    });
-    let mut log = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !log.iter().any(|l: &String| l.contains("stays passive")) {
-        log.push(rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("passive line"));
-    }
+    let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--kube-proxy-enabled", "true"]);
+    wait_for(&rx, "stays passive");
     std::thread::sleep(Duration::from_millis(500));
     assert!(lab.cgroup.programs(gardenet_agent::pinned_link::AttachType::Connect4).unwrap().is_empty(), "nothing attached while kube-proxy routes");
     assert!(!bpffs.exists(), "nothing loaded or pinned");
