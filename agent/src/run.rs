@@ -156,14 +156,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tracing::info!(?routing, "kube-proxy routes Services here (--kube-proxy-enabled); gardenet stays passive");
         state.set_programs_loaded(true);
         state.set_synced(true);
-        if !args.node_name.is_empty() {
-            let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
-            let reporting = status::Reporting::start(&args.status, client, &args.node_name, state.clone(), config.clone(), false).await?;
-            wait_for_shutdown(&state).await?;
-            reporting.stop().await;
-        } else {
-            wait_for_shutdown(&state).await?;
-        }
+        report_until_shutdown(&args, &config, &state).await?;
         endpoints.iter().for_each(|h| h.abort());
         return Ok(());
     }
@@ -184,10 +177,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             // crash-looping where nobody reads the reason.
             if let (SourceSpec::Kube, false) = (&args.source, args.node_name.is_empty()) {
                 state.update(|r| r.missing.push(format!("eBPF dataplane: {e:#}")));
-                let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
-                let reporting = status::Reporting::start(&args.status, client, &args.node_name, state.clone(), config.clone(), false).await?;
-                wait_for_shutdown(&state).await?;
-                reporting.stop().await;
+                report_until_shutdown(&args, &config, &state).await?;
                 endpoints.iter().for_each(|h| h.abort());
                 return Ok(());
             }
@@ -237,8 +227,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tracing::info!(interface = %st.name, selected = st.selected, hooks = %st.hooks.join(","), "{}", st.reason);
     }
     let state_dir = args.state_dir.clone().unwrap_or_else(|| default_state_dir(&args.bpffs));
-    publish_links(&state_dir, &mgr.snapshot());
-    report_links(&state, &metrics, &mgr.snapshot());
+    links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let mut conntrack_tick = tokio::time::interval(Duration::from_secs(30));
     let (map_services, map_backends, map_conntrack) = (sizes.services as usize, sizes.backends as usize, sizes.conntrack as usize);
@@ -299,14 +288,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
                         mgr.sync(links, Instant::now());
                     }
                 }
-                publish_links(&state_dir, &mgr.snapshot());
-                report_links(&state, &metrics, &mgr.snapshot());
+                links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
             }
             _ = tick.tick() => {
                 state.beat();
                 mgr.tick(Instant::now());
-                publish_links(&state_dir, &mgr.snapshot());
-                report_links(&state, &metrics, &mgr.snapshot());
+                links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
                 if let Ok(stats) = mgr.attacher_mut().stats() {
                     metrics.set_datapath(&stats);
                 }
@@ -380,6 +367,26 @@ fn setup_dataplane(args: &RunArgs, config: &crate::gardener::config::NetworkConf
         tracing::info!("socket LB attached to cgroup {} ({:?})", cg.display(), dp.links().last().map(|l| l.how));
     }
     Ok(dp)
+}
+
+/// Without a dataplane (passive or degraded): report this node's state to Kubernetes, when
+/// there is a node to report on, until SIGTERM or Ctrl-C.
+async fn report_until_shutdown(args: &RunArgs, config: &crate::gardener::config::NetworkConfig, state: &Arc<AgentState>) -> Result<()> {
+    if args.node_name.is_empty() {
+        return wait_for_shutdown(state).await;
+    }
+    let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
+    let reporting = status::Reporting::start(&args.status, client, &args.node_name, state.clone(), config.clone(), false).await?;
+    wait_for_shutdown(state).await?;
+    reporting.stop().await;
+    Ok(())
+}
+
+/// The link manager's view went (or may have gone) out: one snapshot for `links`, /readyz,
+/// the Node condition and the metrics.
+fn links_changed(state_dir: &Path, state: &AgentState, metrics: &Metrics, snap: &[crate::links::LinkStatus]) {
+    publish_links(state_dir, snap);
+    report_links(state, metrics, snap);
 }
 
 /// Keeps /healthz alive until SIGTERM or Ctrl-C (degraded mode: nothing to program).
