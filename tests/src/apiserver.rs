@@ -1,7 +1,9 @@
 //! An in-process Kubernetes API server double for tests.
 //!
 //! It speaks the real list/watch wire format over plain HTTP/1.1 on 127.0.0.1, so kube-rs (or
-//! any client) runs against it unmodified: lists carry `metadata.resourceVersion`, every change
+//! any client) runs against it unmodified: lists carry `metadata.resourceVersion` and are
+//! paged like the real server's (`limit`, `continue` tokens served from the first page's
+//! snapshot, `410 Expired` once compacted), every change
 //! bumps one global resourceVersion, watches replay from a version and then stream live
 //! changes (with BOOKMARKs when asked for), and a watch from a compacted version gets an
 //! `ERROR` event with a `410 Expired` Status. Objects of any kind can also be created, read,
@@ -315,6 +317,37 @@ mod tests {
             Err(kube::Error::Api(status)) => status.code,
             other => panic!("expected an API error, got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn lists_are_paged_from_one_snapshot() {
+        use kube::api::ListParams;
+        let server = ApiServer::start().await;
+        for i in 0..5 {
+            server.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": format!("n{i}")}}));
+        }
+        let nodes: Api<Node> = Api::all(client(&server));
+        let first = nodes.list(&ListParams::default().limit(2)).await.unwrap();
+        assert_eq!(first.items.len(), 2);
+        assert_eq!(first.metadata.remaining_item_count, Some(3));
+        let token = first.metadata.continue_.clone().expect("a continue token");
+        // A change after the first page is not in the later pages (one consistent snapshot).
+        server.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n9"}}));
+        let mut names: Vec<String> = first.items.iter().map(|n| n.metadata.name.clone().unwrap()).collect();
+        let mut cont = Some(token);
+        while let Some(c) = cont {
+            let page = nodes.list(&ListParams::default().limit(2).continue_token(&c)).await.unwrap();
+            assert_eq!(page.metadata.resource_version, first.metadata.resource_version);
+            names.extend(page.items.iter().map(|n| n.metadata.name.clone().unwrap()));
+            cont = page.metadata.continue_.filter(|c| !c.is_empty());
+        }
+        assert_eq!(names, ["n0", "n1", "n2", "n3", "n4"]);
+        // Without a limit everything comes at once; a compacted token has expired.
+        assert_eq!(nodes.list(&ListParams::default()).await.unwrap().items.len(), 6);
+        let again = nodes.list(&ListParams::default().limit(1)).await.unwrap();
+        server.compact();
+        let c = again.metadata.continue_.unwrap();
+        assert_eq!(api_code(nodes.list(&ListParams::default().limit(1).continue_token(&c)).await), 410);
     }
 
     #[tokio::test]

@@ -104,15 +104,29 @@ fn route(
         }
         (&Method::GET, None) => {
             let sel = selector(query)?;
-            let store = shared.store();
-            let (items, rv) = store.list(coll, target.namespace.as_deref(), |o| sel.matches(o));
+            let limit = match query.get("limit") {
+                Some(l) => Some(l.parse::<usize>().map_err(|_| Failure::new(400, "BadRequest", format!("invalid limit {l:?}")))?),
+                None => None,
+            };
+            let page = shared.store().list_page(
+                coll,
+                target.namespace.as_deref(),
+                |o| sel.matches(o),
+                limit,
+                query.get("continue").map(String::as_str),
+            )?;
+            let mut metadata = json!({"resourceVersion": page.rv.to_string()});
+            if let Some((token, remaining)) = page.next {
+                metadata["continue"] = token.into();
+                metadata["remainingItemCount"] = remaining.into();
+            }
             Ok(json_response(
                 200,
                 &json!({
                     "kind": format!("{}List", coll.kind()),
                     "apiVersion": coll.api_version,
-                    "metadata": {"resourceVersion": rv.to_string()},
-                    "items": items,
+                    "metadata": metadata,
+                    "items": page.items,
                 }),
             ))
         }

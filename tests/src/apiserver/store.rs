@@ -206,6 +206,23 @@ pub struct Store {
     objects: BTreeMap<Coll, BTreeMap<Key, Value>>,
     log: Vec<Change>,
     uids: u64,
+    /// Paged lists in progress: continue token -> (the list's RV, the items still to send).
+    /// Like the real server, later pages come from the snapshot the first page was cut from.
+    pages: BTreeMap<u64, (u64, std::collections::VecDeque<Value>)>,
+    next_page: u64,
+}
+
+/// At most this many paged lists are kept open; older tokens expire (`410`), as compacted
+/// ones do on a real server.
+const MAX_OPEN_PAGES: usize = 64;
+const CONTINUE_PREFIX: &str = "gardenet-double-";
+
+/// One page of a list.
+pub struct Page {
+    pub items: Vec<Value>,
+    pub rv: u64,
+    /// `metadata.continue` and `metadata.remainingItemCount`, when more pages follow.
+    pub next: Option<(String, usize)>,
 }
 
 pub fn name_of(obj: &Value) -> &str {
@@ -225,11 +242,51 @@ impl Store {
         self.rv
     }
 
-    /// Every resourceVersion handed out so far becomes too old to watch from.
+    /// Every resourceVersion handed out so far becomes too old to watch from (or to continue
+    /// a paged list from).
     pub fn compact(&mut self) {
         self.rv += 1;
         self.compacted_below = self.rv;
         self.log.clear();
+        self.pages.clear();
+    }
+
+    /// A list as the API server pages it: `limit` items at most (0 or `None`: all), the rest
+    /// behind a continue token that later requests pass back in `cont`.
+    pub fn list_page(
+        &mut self,
+        coll: &Coll,
+        ns: Option<&str>,
+        keep: impl Fn(&Value) -> bool,
+        limit: Option<usize>,
+        cont: Option<&str>,
+    ) -> Result<Page, Failure> {
+        let (rv, mut rest) = match cont.filter(|c| !c.is_empty()) {
+            Some(token) => {
+                let expired = || Failure::new(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.");
+                let id = token.strip_prefix(CONTINUE_PREFIX).and_then(|n| n.parse().ok()).ok_or_else(|| Failure::new(400, "BadRequest", format!("invalid continue token {token:?}")))?;
+                self.pages.remove(&id).ok_or_else(expired)?
+            }
+            None => {
+                let (items, rv) = self.list(coll, ns, keep);
+                (rv, items.into())
+            }
+        };
+        let take = limit.filter(|l| *l > 0).unwrap_or(usize::MAX).min(rest.len());
+        let items: Vec<Value> = rest.drain(..take).collect();
+        let next = if rest.is_empty() {
+            None
+        } else {
+            self.next_page += 1;
+            let id = self.next_page;
+            let remaining = rest.len();
+            self.pages.insert(id, (rv, rest));
+            while self.pages.len() > MAX_OPEN_PAGES {
+                self.pages.pop_first();
+            }
+            Some((format!("{CONTINUE_PREFIX}{id}"), remaining))
+        };
+        Ok(Page { items, rv, next })
     }
 
     pub fn get(&self, coll: &Coll, ns: &str, name: &str) -> Option<&Value> {
