@@ -11,6 +11,7 @@ pub mod pipeline;
 pub mod run;
 pub mod source;
 pub mod translate;
+pub mod view;
 pub mod health;
 pub mod metrics;
 pub mod status;

@@ -7,13 +7,12 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-
 use crate::{
     lbmap::{LbMaps, LbState, Writes},
     model::Frontend,
     source::SourceEvent,
     translate::{self, NodeInfo, Problem},
+    view::{ServiceView, SliceView},
 };
 
 /// Counters the agent reports (logs, metrics).
@@ -38,8 +37,8 @@ pub struct Pipeline<M: LbMaps> {
     maps: M,
     lb: LbState,
     node: NodeInfo,
-    services: HashMap<String, Arc<Service>>,
-    slices: HashMap<String, Arc<EndpointSlice>>,
+    services: HashMap<String, Arc<ServiceView>>,
+    slices: HashMap<String, Arc<SliceView>>,
     slices_by_svc: HashMap<String, BTreeSet<String>>,
     /// Frontends each Service currently owns in the maps.
     owned: HashMap<String, BTreeSet<Frontend>>,
@@ -52,10 +51,6 @@ pub struct Pipeline<M: LbMaps> {
     resync: Option<(HashSet<String>, HashSet<String>)>,
     health: HashMap<String, translate::HealthCheck>,
     pub stats: PipelineStats,
-}
-
-fn obj_key(ns: Option<&String>, name: Option<&String>) -> String {
-    format!("{}/{}", ns.map(String::as_str).unwrap_or("default"), name.map(String::as_str).unwrap_or(""))
 }
 
 impl<M: LbMaps> Pipeline<M> {
@@ -112,28 +107,28 @@ impl<M: LbMaps> Pipeline<M> {
     pub fn handle(&mut self, ev: SourceEvent) {
         match ev {
             SourceEvent::ServiceApplied(s) => {
-                let k = translate::service_key(&s);
+                let k = s.key();
                 self.seen(Some(&k), None);
                 self.dirty.insert(k.clone());
                 self.services.insert(k, s);
             }
             SourceEvent::ServiceDeleted(s) => {
-                let k = translate::service_key(&s);
+                let k = s.key();
                 self.services.remove(&k);
                 self.dirty.insert(k);
             }
             SourceEvent::SliceApplied(sl) => {
-                let k = obj_key(sl.metadata.namespace.as_ref(), sl.metadata.name.as_ref());
+                let k = sl.key();
                 self.seen(None, Some(&k));
                 self.remove_slice(&k);
-                if let Some(svc) = translate::slice_service_key(&sl) {
+                if let Some(svc) = sl.service_key() {
                     self.slices_by_svc.entry(svc.clone()).or_default().insert(k.clone());
                     self.dirty.insert(svc);
                 }
                 self.slices.insert(k, sl);
             }
             SourceEvent::SliceDeleted(sl) => {
-                let k = obj_key(sl.metadata.namespace.as_ref(), sl.metadata.name.as_ref());
+                let k = sl.key();
                 self.remove_slice(&k);
             }
             SourceEvent::NodeApplied(n) => {
@@ -170,7 +165,7 @@ impl<M: LbMaps> Pipeline<M> {
 
     fn remove_slice(&mut self, k: &str) {
         if let Some(old) = self.slices.remove(k) {
-            if let Some(svc) = translate::slice_service_key(&old) {
+            if let Some(svc) = old.service_key() {
                 if let Some(set) = self.slices_by_svc.get_mut(&svc) {
                     set.remove(k);
                     if set.is_empty() {
@@ -220,7 +215,7 @@ impl<M: LbMaps> Pipeline<M> {
     fn apply_service(&mut self, key: &str, rep: &mut FlushReport) {
         let t = match self.services.get(key) {
             Some(svc) => {
-                let slices: Vec<&EndpointSlice> = self
+                let slices: Vec<&SliceView> = self
                     .slices_by_svc
                     .get(key)
                     .into_iter()
@@ -314,10 +309,10 @@ mod tests {
     use super::*;
     use crate::{lbmap::MemMaps, translate::tests::{slice, svc}};
 
-    fn web(ip: &str, name: &str) -> Service {
+    fn web(ip: &str, name: &str) -> ServiceView {
         svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"))
     }
-    fn eps(svc_name: &str, name: &str, ips: &[&str]) -> EndpointSlice {
+    fn eps(svc_name: &str, name: &str, ips: &[&str]) -> SliceView {
         let e: Vec<String> = ips.iter().map(|i| format!("{{addresses: [{i}]}}")).collect();
         slice(&format!("metadata: {{name: {name}, namespace: d, labels: {{kubernetes.io/service-name: {svc_name}}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{}]", e.join(",")))
     }

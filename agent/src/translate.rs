@@ -1,23 +1,13 @@
 //! Service + EndpointSlices (+ this node) -> frontends and their backends, the way kube-proxy
-//! reads them. Pure: no I/O, unit-tested.
+//! reads them. Pure: no I/O, unit-tested. Works on the digested views of `crate::view`.
 use std::{collections::BTreeSet, net::IpAddr};
 
-use k8s_openapi::api::{
-    core::v1::{Service, ServicePort},
-    discovery::v1::EndpointSlice,
+use crate::{
+    model::{Backend, Frontend, FrontendSpec, Proto},
+    view::{PortView, ServiceView, SliceView},
 };
 
-use crate::model::{Backend, Frontend, FrontendSpec, Proto};
-
-/// Label that hands a Service to a specific proxy; gardenet only takes unlabelled ones
-/// (or the ones labelled with its own name).
-pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
-pub const PROXY_NAME: &str = "gardenet";
-/// Label linking an EndpointSlice to its Service.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-
-/// Default ClientIP affinity timeout (kube-proxy's: 3 hours).
-pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
+pub use crate::view::{DEFAULT_AFFINITY_TIMEOUT, PROXY_NAME, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL};
 
 /// What translation needs to know about this node.
 #[derive(Clone, Debug, Default)]
@@ -56,135 +46,40 @@ pub struct HealthCheck {
     pub local_endpoints: usize,
 }
 
-/// Annotations that turn on topology-aware routing.
-const TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
-const TOPOLOGY_HINTS_OLD: &str = "service.kubernetes.io/topology-aware-hints";
-
-pub fn service_key(svc: &Service) -> String {
-    format!("{}/{}", svc.metadata.namespace.as_deref().unwrap_or("default"), svc.metadata.name.as_deref().unwrap_or(""))
-}
-
-/// The Service key an EndpointSlice belongs to, if it is labelled.
-pub fn slice_service_key(slice: &EndpointSlice) -> Option<String> {
-    let name = slice.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?;
-    Some(format!("{}/{}", slice.metadata.namespace.as_deref().unwrap_or("default"), name))
-}
-
-pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> Translated {
-    let key = service_key(svc);
+pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> Translated {
+    let key = svc.key();
     let mut out = Translated::default();
+    if let Some(why) = &svc.skipped {
+        out.skipped = Some(why.clone());
+        return out;
+    }
     let problem = |out: &mut Translated, m: String| out.problems.push(Problem { service: key.clone(), message: m });
-
-    if let Some(p) = svc.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)) {
-        if p != PROXY_NAME {
-            out.skipped = Some(format!("service-proxy-name is {p:?}"));
-            return out;
-        }
+    for m in &svc.problems {
+        problem(&mut out, m.clone());
     }
-    let Some(spec) = &svc.spec else {
-        problem(&mut out, "no spec".into());
-        return out;
-    };
-    if spec.type_.as_deref() == Some("ExternalName") {
-        out.skipped = Some("ExternalName".into());
-        return out;
-    }
-    let cluster_ips: Vec<&str> = match (&spec.cluster_ips, &spec.cluster_ip) {
-        (Some(ips), _) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-        (_, Some(ip)) => vec![ip.as_str()],
-        _ => vec![],
-    };
-    if cluster_ips.iter().any(|ip| *ip == "None") {
-        out.skipped = Some("headless".into());
-        return out;
+    for m in slices.iter().flat_map(|s| &s.problems) {
+        problem(&mut out, m.clone());
     }
 
-    // The families this Service has: `ipFamilies` (the API server always fills it in), else
-    // the families of its cluster IPs. Addresses of other families are not served.
-    let mut families: Vec<bool> = Vec::new(); // true = IPv4
-    for f in spec.ip_families.iter().flatten() {
-        match f.as_str() {
-            "IPv4" => families.push(true),
-            "IPv6" => families.push(false),
-            other => problem(&mut out, format!("ipFamilies: unknown family {other:?}")),
-        }
-    }
-    let mut vips: Vec<IpAddr> = Vec::new();
-    for ip in &cluster_ips {
-        match ip.parse::<IpAddr>() {
-            Ok(a) => vips.push(a),
-            Err(_) => problem(&mut out, format!("clusterIP {ip:?} is not an IP address")),
-        }
-    }
-    if families.is_empty() {
-        families = vips.iter().map(|a| a.is_ipv4()).collect();
-    }
-    let served = |a: &IpAddr| families.is_empty() || families.contains(&a.is_ipv4());
-    let fam_name = |a: &IpAddr| if a.is_ipv4() { "IPv4" } else { "IPv6" };
-    let keep = |out: &mut Translated, what: &str, a: IpAddr, list: &mut Vec<IpAddr>| {
-        if served(&a) {
-            list.push(a);
-        } else {
-            out.problems.push(Problem { service: key.clone(), message: format!("{what} {a}: {} is not in the Service's ipFamilies (skipped)", fam_name(&a)) });
-        }
-    };
-    let all_vips = std::mem::take(&mut vips);
-    for a in all_vips {
-        keep(&mut out, "clusterIP", a, &mut vips);
-    }
-    let mut external: Vec<IpAddr> = Vec::new();
-    for ip in spec.external_ips.iter().flatten() {
-        match ip.parse::<IpAddr>() {
-            Ok(a) => keep(&mut out, "externalIP", a, &mut external),
-            Err(_) => problem(&mut out, format!("externalIP {ip:?} is not an IP address")),
-        }
-    }
-    let lb_ips = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-    for ing in lb_ips.into_iter().flatten() {
-        if let Some(ip) = &ing.ip {
-            match ip.parse::<IpAddr>() {
-                Ok(a) => keep(&mut out, "loadBalancer ingress", a, &mut external),
-                Err(_) => problem(&mut out, format!("loadBalancer ingress {ip:?} is not an IP address")),
-            }
-        }
-    }
     // NodePorts on the node's addresses of the Service's families.
-    let node_addrs: Vec<IpAddr> = node.addresses.iter().copied().filter(|a| served(a)).collect();
+    let node_addrs: Vec<IpAddr> = node.addresses.iter().copied().filter(|a| svc.serves(a)).collect();
     // Health checks count the local endpoints of the primary family (a dual-stack pod has one
     // address per family).
-    let primary_v4 = families.first().copied().unwrap_or(true);
-
-    let affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
-        spec.session_affinity_config
-            .as_ref()
-            .and_then(|c| c.client_ip.as_ref())
-            .and_then(|c| c.timeout_seconds)
-            .map(|t| t.clamp(1, 86_400) as u32)
-            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
-    } else {
-        0
-    };
-    let node_ports = matches!(spec.type_.as_deref(), Some("NodePort") | Some("LoadBalancer"));
-    let ext_local = spec.external_traffic_policy.as_deref() == Some("Local");
-    let int_local = spec.internal_traffic_policy.as_deref() == Some("Local");
-    let ann = svc.metadata.annotations.as_ref();
-    let topology = ann
-        .and_then(|a| a.get(TOPOLOGY_MODE).or_else(|| a.get(TOPOLOGY_HINTS_OLD)))
-        .is_some_and(|v| v.eq_ignore_ascii_case("auto"));
+    let primary_v4 = svc.families.first().copied().unwrap_or(true);
+    let affinity_timeout = svc.affinity_timeout;
     let mut local_total: BTreeSet<Backend> = BTreeSet::new();
 
     let mut seen: BTreeSet<Frontend> = BTreeSet::new();
-    for sp in spec.ports.iter().flatten() {
-        let proto = match sp.protocol.as_deref().unwrap_or("TCP") {
-            "TCP" => Proto::Tcp,
-            "UDP" => Proto::Udp,
-            other => {
-                problem(&mut out, format!("port {}: protocol {other} is not supported (skipped)", port_label(sp)));
+    for sp in &svc.ports {
+        let proto = match &sp.proto {
+            Ok(p) => *p,
+            Err(other) => {
+                problem(&mut out, format!("port {}: protocol {other} is not supported (skipped)", sp.label()));
                 continue;
             }
         };
         let Some(port) = valid_port(sp.port) else {
-            problem(&mut out, format!("port {}: {} is out of range 1-65535", port_label(sp), sp.port));
+            problem(&mut out, format!("port {}: {} is out of range 1-65535", sp.label(), sp.port));
             continue;
         };
         let cands = endpoints_for(sp, proto, slices, &mut out, &key);
@@ -193,19 +88,20 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
         let mut specs: Vec<(FrontendSpec, FrontendSpec)> = Vec::with_capacity(2);
         for v4 in [true, false] {
             let fam: Vec<&Candidate> = cands.iter().filter(|c| c.backend.addr.is_ipv4() == v4).collect();
-            let local = pick(fam.iter().copied().filter(|c| c.node.as_deref() == Some(node.name.as_str()) && !node.name.is_empty()));
+            let local = pick(fam.iter().copied().filter(|c| c.node.is_some_and(|n| n == node.name) && !node.name.is_empty()));
             if v4 == primary_v4 {
                 local_total.extend(local.iter().copied());
             }
+            let in_zone = |c: &Candidate, z: &str| c.zones.is_some_and(|zs| zs.iter().any(|x| &**x == z));
             let cluster = match node.zone.as_deref() {
                 // Hints are used only when every endpoint has them and some are for our zone.
-                Some(z) if topology && fam.iter().all(|c| c.zones.is_some()) && fam.iter().any(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))) => {
-                    pick(fam.iter().copied().filter(|c| c.zones.as_ref().is_some_and(|zs| zs.iter().any(|x| x == z))))
+                Some(z) if svc.topology && fam.iter().all(|c| c.zones.is_some()) && fam.iter().any(|c| in_zone(c, z)) => {
+                    pick(fam.iter().copied().filter(|c| in_zone(c, z)))
                 }
                 _ => pick(fam.iter().copied()),
             };
-            let internal = FrontendSpec { backends: if int_local { local.clone() } else { cluster.clone() }, affinity_timeout };
-            let externl = FrontendSpec { backends: if ext_local { local } else { cluster }, affinity_timeout };
+            let internal = FrontendSpec { backends: if svc.internal_local { local.clone() } else { cluster.clone() }, affinity_timeout };
+            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout };
             specs.push((internal, externl));
         }
         let fam_idx = |a: &IpAddr| if a.is_ipv4() { 0 } else { 1 };
@@ -216,30 +112,30 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
                 out.problems.push(Problem { service: key.clone(), message: format!("frontend {fe} listed twice") });
             }
         };
-        for vip in &vips {
+        for vip in &svc.cluster_ips {
             add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].0);
         }
-        for vip in &external {
+        for vip in &svc.external_ips {
             add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].1);
         }
-        if node_ports {
+        if svc.node_ports {
             match sp.node_port.map(|p| (p, valid_port(p))) {
                 Some((_, Some(np))) => {
                     for a in &node_addrs {
                         add(&mut out, Frontend { addr: *a, port: np, proto }, &specs[fam_idx(a)].1);
                     }
                 }
-                Some((p, None)) => problem(&mut out, format!("port {}: nodePort {p} is out of range", port_label(sp))),
+                Some((p, None)) => problem(&mut out, format!("port {}: nodePort {p} is out of range", sp.label())),
                 None => {} // not allocated yet
             }
         }
     }
-    if ext_local && spec.type_.as_deref() == Some("LoadBalancer") {
-        if let Some(p) = spec.health_check_node_port.and_then(valid_port) {
+    if svc.external_local && svc.load_balancer {
+        if let Some(p) = svc.health_check_node_port.and_then(valid_port) {
             out.health_check = Some(HealthCheck {
                 port: p,
-                namespace: svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
-                name: svc.metadata.name.clone().unwrap_or_default(),
+                namespace: svc.namespace.clone(),
+                name: svc.name.clone(),
                 local_endpoints: local_total.len(),
             });
         }
@@ -248,16 +144,16 @@ pub fn translate(svc: &Service, slices: &[&EndpointSlice], node: &NodeInfo) -> T
 }
 
 /// One endpoint address of a Service port, with what the selection rules need.
-struct Candidate {
+struct Candidate<'a> {
     backend: Backend,
     ready: bool,
     serving: bool,
-    node: Option<String>,
-    zones: Option<Vec<String>>,
+    node: Option<&'a str>,
+    zones: Option<&'a [Box<str>]>,
 }
 
 /// Ready endpoints; when none is ready, the serving (terminating) ones, as kube-proxy does.
-fn pick<'a>(cands: impl Iterator<Item = &'a Candidate>) -> Vec<Backend> {
+fn pick<'a, 'b: 'a>(cands: impl Iterator<Item = &'a Candidate<'b>>) -> Vec<Backend> {
     let mut ready = BTreeSet::new();
     let mut serving = BTreeSet::new();
     for c in cands {
@@ -274,59 +170,27 @@ fn valid_port(p: i32) -> Option<u16> {
     u16::try_from(p).ok().filter(|p| *p != 0)
 }
 
-fn port_label(sp: &ServicePort) -> String {
-    sp.name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| sp.port.to_string())
-}
-
 /// Endpoint candidates for one Service port from all slices (merged; duplicates are resolved
 /// by `pick`).
-fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out: &mut Translated, key: &str) -> Vec<Candidate> {
-    let want_name = sp.name.as_deref().unwrap_or("");
-    let proto_s = match proto {
-        Proto::Tcp => "TCP",
-        Proto::Udp => "UDP",
-    };
+fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], out: &mut Translated, key: &str) -> Vec<Candidate<'a>> {
     let mut cands = Vec::new();
     for slice in slices {
-        let slice_v4 = match slice.address_type.as_str() {
-            "IPv4" => true,
-            "IPv6" => false,
-            _ => continue, // FQDN
-        };
         // EndpointSlice ports are matched to Service ports by name (named targetPorts are
         // resolved by the EndpointSlice controller into the number here).
-        let Some(port) = slice.ports.iter().flatten().find(|p| {
-            p.name.as_deref().unwrap_or("") == want_name && p.protocol.as_deref().unwrap_or("TCP") == proto_s
-        }) else {
+        let Some(port) = slice.ports.iter().find(|p| p.name == sp.name && p.proto == Ok(proto)) else {
             continue;
         };
         let Some(pn) = port.port.and_then(valid_port) else {
-            out.problems.push(Problem { service: key.into(), message: format!("EndpointSlice {} port {want_name:?} has no valid number", slice.metadata.name.as_deref().unwrap_or("")) });
+            out.problems.push(Problem { service: key.into(), message: format!("EndpointSlice {} port {:?} has no valid number", slice.name, sp.name) });
             continue;
         };
-        for ep in slice.endpoints.iter().flatten() {
-            let c = ep.conditions.as_ref();
-            // nil ready means ready; nil serving means "same as ready".
-            let is_ready = c.and_then(|c| c.ready).unwrap_or(true);
-            let is_serving = c.and_then(|c| c.serving).unwrap_or(is_ready);
-            for a in &ep.addresses {
-                let addr = match a.parse::<IpAddr>() {
-                    Ok(addr) if addr.is_ipv4() == slice_v4 => addr,
-                    _ => {
-                        let fam = if slice_v4 { "IPv4" } else { "IPv6" };
-                        out.problems.push(Problem { service: key.into(), message: format!("endpoint address {a:?} is not {fam}") });
-                        continue;
-                    }
-                };
-                cands.push(Candidate {
-                    backend: Backend { addr, port: pn },
-                    ready: is_ready,
-                    serving: is_serving,
-                    node: ep.node_name.clone(),
-                    zones: ep.hints.as_ref().and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
-                });
-            }
-        }
+        cands.extend(slice.endpoints.iter().map(|ep| Candidate {
+            backend: Backend { addr: ep.addr, port: pn },
+            ready: ep.ready,
+            serving: ep.serving,
+            node: ep.node.as_deref(),
+            zones: ep.zones.as_deref(),
+        }));
     }
     cands
 }
@@ -335,11 +199,14 @@ fn endpoints_for(sp: &ServicePort, proto: Proto, slices: &[&EndpointSlice], out:
 pub(crate) mod tests {
     use super::*;
 
-    pub fn svc(yaml: &str) -> Service {
-        serde_yaml::from_str(yaml).unwrap()
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+    /// A Service from YAML, digested as the sources do.
+    pub fn svc(yaml: &str) -> ServiceView {
+        ServiceView::from(&serde_yaml::from_str::<Service>(yaml).unwrap())
     }
-    pub fn slice(yaml: &str) -> EndpointSlice {
-        serde_yaml::from_str(yaml).unwrap()
+    pub fn slice(yaml: &str) -> SliceView {
+        SliceView::from(&serde_yaml::from_str::<EndpointSlice>(yaml).unwrap())
     }
 
     const SVC: &str = r#"

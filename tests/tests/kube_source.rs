@@ -133,10 +133,10 @@ fn describe(event: &SourceEvent) -> String {
         None => m.name.clone().unwrap_or_default(),
     };
     match event {
-        SourceEvent::ServiceApplied(o) => format!("+svc {}", id(&o.metadata)),
-        SourceEvent::ServiceDeleted(o) => format!("-svc {}", id(&o.metadata)),
-        SourceEvent::SliceApplied(o) => format!("+slice {}", id(&o.metadata)),
-        SourceEvent::SliceDeleted(o) => format!("-slice {}", id(&o.metadata)),
+        SourceEvent::ServiceApplied(o) => format!("+svc {}", o.key()),
+        SourceEvent::ServiceDeleted(o) => format!("-svc {}", o.key()),
+        SourceEvent::SliceApplied(o) => format!("+slice {}", o.key()),
+        SourceEvent::SliceDeleted(o) => format!("-slice {}", o.key()),
         SourceEvent::NodeApplied(o) => format!("+node {}", id(&o.metadata)),
         SourceEvent::Resync => "resync".into(),
         SourceEvent::Synced => "synced".into(),
@@ -226,6 +226,33 @@ async fn initial_list_is_one_snapshot() {
     }
 }
 
+/// Large lists come in pages (the agent's memory budget rests on it) and still make one
+/// snapshot with every object.
+#[tokio::test]
+async fn large_lists_are_paged_into_one_snapshot() {
+    const N: usize = 1_200;
+    let server = ApiServer::start().await;
+    for i in 0..N {
+        server.apply(slice(&format!("s-{i:04}"), "a", "10.1.0.1"));
+    }
+    server.apply(node(NODE));
+    let mut h = Harness::start(server, "paged").await;
+    let events = h.take(N + 3).await;
+    assert_eq!(events[0], "resync");
+    assert_eq!(events[1], "+slice default/s-0000");
+    assert_eq!(events[N], format!("+slice default/s-{:04}", N - 1));
+    assert_eq!(events[N + 1..], ["+node node-a", "synced"]);
+    let pages: Vec<_> = h
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| r.path == "/apis/discovery.k8s.io/v1/endpointslices" && !is_watch(r))
+        .collect();
+    assert_eq!(pages.len(), 3, "1,200 slices in pages of 500: {pages:?}");
+    assert!(pages.iter().all(|r| query(r, "limit").as_deref() == Some("500")), "{pages:?}");
+    assert!(pages[1..].iter().all(|r| query(r, "continue").is_some()), "{pages:?}");
+}
+
 #[tokio::test]
 async fn watch_changes_are_forwarded() {
     let server = ApiServer::start().await;
@@ -246,7 +273,7 @@ async fn watch_changes_are_forwarded() {
         panic!("expected a Service, got {event:?}")
     };
     assert_eq!(
-        svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port,
+        svc.ports[0].port,
         81,
         "the modified Service is forwarded"
     );

@@ -7,21 +7,24 @@
 use std::{
     collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, SystemTime},
 };
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
 use super::{EventTx, SourceEvent};
+use crate::view::{ServiceView, SliceView};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Object {
-    Service(std::sync::Arc<Service>),
-    Slice(std::sync::Arc<EndpointSlice>),
+    Service(Arc<ServiceView>),
+    Slice(Arc<SliceView>),
     /// Only this agent's own Node is kept (its addresses serve NodePorts).
-    Node(std::sync::Arc<Node>),
+    Node(Arc<Node>),
 }
 
 impl Object {
@@ -56,19 +59,27 @@ pub fn parse_manifests(text: &str, origin: &str) -> Result<Vec<(ObjKey, Object)>
         }
         let kind = v.get("kind").and_then(|k| k.as_str()).unwrap_or("");
         let what = format!("{origin}: document {} ({kind})", i + 1);
-        let (kind, obj): (&'static str, Object) = match kind {
-            "Service" => ("Service", Object::Service(std::sync::Arc::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
-            "EndpointSlice" => ("EndpointSlice", Object::Slice(std::sync::Arc::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
-            "Node" => ("Node", Object::Node(std::sync::Arc::new(serde_yaml::from_value(v).with_context(|| what.clone())?))),
+        fn typed<K: serde::de::DeserializeOwned>(v: serde_yaml::Value, what: &str) -> Result<K> {
+            serde_yaml::from_value(v).with_context(|| what.to_owned())
+        }
+        let name_of = |m: &ObjectMeta| m.name.clone().with_context(|| format!("{what}: metadata.name is missing"));
+        let ns_of = |m: &ObjectMeta| m.namespace.clone().unwrap_or_else(|| "default".into());
+        // Services and slices are digested right away (see `crate::view`).
+        let (kind, ns, name, obj) = match kind {
+            "Service" => {
+                let o: Service = typed(v, &what)?;
+                ("Service", ns_of(&o.metadata), name_of(&o.metadata)?, Object::Service(Arc::new(ServiceView::from(&o))))
+            }
+            "EndpointSlice" => {
+                let o: EndpointSlice = typed(v, &what)?;
+                ("EndpointSlice", ns_of(&o.metadata), name_of(&o.metadata)?, Object::Slice(Arc::new(SliceView::from(&o))))
+            }
+            "Node" => {
+                let o: Node = typed(v, &what)?;
+                ("Node", String::new(), name_of(&o.metadata)?, Object::Node(Arc::new(o)))
+            }
             _ => continue,
         };
-        let meta = match &obj {
-            Object::Service(s) => &s.metadata,
-            Object::Slice(s) => &s.metadata,
-            Object::Node(n) => &n.metadata,
-        };
-        let name = meta.name.clone().with_context(|| format!("{what}: metadata.name is missing"))?;
-        let ns = if kind == "Node" { String::new() } else { meta.namespace.clone().unwrap_or_else(|| "default".into()) };
         out.push(((kind, ns, name), obj));
     }
     Ok(out)

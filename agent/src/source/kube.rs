@@ -25,8 +25,9 @@
 //! default exponential backoff (0.8 s doubling up to 30 s, with jitter). Errors are logged and
 //! the watch goes on; the function only returns when the event receiver is dropped.
 //!
-//! Cost: like a reflector, this keeps one copy of every watched object (without managedFields).
-use std::{collections::BTreeMap, fmt::Debug, path::PathBuf};
+//! Cost: like a reflector, this keeps one copy of every watched object, digested to what
+//! translation reads (`crate::view`); the Node whole, without managedFields.
+use std::{collections::BTreeMap, fmt::Debug, path::PathBuf, sync::Arc};
 
 use anyhow::Context as _;
 use futures::{stream, Stream, StreamExt};
@@ -45,6 +46,7 @@ use kube::{
 use serde::de::DeserializeOwned;
 
 use super::{EventTx, SourceEvent};
+use crate::view::{ServiceView, SliceView};
 
 /// Builds a client from `kubeconfig` if given, else from the environment (`KUBECONFIG`,
 /// `~/.kube/config`, then the in-cluster service account).
@@ -68,22 +70,25 @@ pub async fn client_from_env(kubeconfig: Option<PathBuf>) -> anyhow::Result<Clie
 /// sequence). Runs until `tx`'s receiver is dropped.
 pub async fn run(client: Client, node_name: String, tx: EventTx) -> anyhow::Result<()> {
     let node_selector = format!("metadata.name={node_name}");
+    // Lists come in pages (kube's default, spelled out because the memory budget rests on
+    // it): 100,000 endpoints decoded in one response would be a peak of over 100 MiB.
+    let paged = || watcher::Config::default().page_size(500);
     let mut events = stream::select_all([
         watch(
             Api::<Service>::all(client.clone()),
-            watcher::Config::default(),
+            paged(),
             Kind::Service,
         )
         .boxed(),
         watch(
             Api::<EndpointSlice>::all(client.clone()),
-            watcher::Config::default(),
+            paged(),
             Kind::Slice,
         )
         .boxed(),
         watch(
             Api::<Node>::all(client),
-            watcher::Config::default().fields(&node_selector),
+            paged().fields(&node_selector),
             Kind::Node,
         )
         .boxed(),
@@ -117,44 +122,26 @@ enum Kind {
 
 #[derive(Clone, Debug)]
 enum Obj {
-    Service(std::sync::Arc<Service>),
-    Slice(std::sync::Arc<EndpointSlice>),
-    Node(std::sync::Arc<Node>),
+    Service(Arc<ServiceView>),
+    Slice(Arc<SliceView>),
+    Node(Arc<Node>),
 }
 
-/// Drops what translation never reads and can be large: the last-applied annotation, and
-/// (done for all kinds at the watcher) managedFields.
-fn slim_service(mut o: Service) -> Service {
-    if let Some(a) = o.metadata.annotations.as_mut() {
-        a.remove("kubectl.kubernetes.io/last-applied-configuration");
-    }
-    o
-}
-
-/// Endpoint references to their pods and the deprecated topology map are never read; they
-/// are most of an EndpointSlice's size.
-fn slim_slice(mut o: EndpointSlice) -> EndpointSlice {
-    o.metadata.annotations = None;
-    for ep in o.endpoints.iter_mut().flatten() {
-        ep.target_ref = None;
-        ep.deprecated_topology = None;
-    }
-    o
-}
-
+// Services and slices are digested on arrival (the object itself is dropped right away);
+// only this agent's Node is kept whole.
 impl From<Service> for Obj {
     fn from(o: Service) -> Self {
-        Obj::Service(std::sync::Arc::new(slim_service(o)))
+        Obj::Service(Arc::new(ServiceView::from(&o)))
     }
 }
 impl From<EndpointSlice> for Obj {
     fn from(o: EndpointSlice) -> Self {
-        Obj::Slice(std::sync::Arc::new(slim_slice(o)))
+        Obj::Slice(Arc::new(SliceView::from(&o)))
     }
 }
 impl From<Node> for Obj {
     fn from(o: Node) -> Self {
-        Obj::Node(std::sync::Arc::new(o))
+        Obj::Node(Arc::new(o))
     }
 }
 
@@ -163,15 +150,11 @@ type Key = (String, String);
 
 impl Obj {
     fn key(&self) -> Key {
-        let meta = match self {
-            Obj::Service(o) => &o.metadata,
-            Obj::Slice(o) => &o.metadata,
-            Obj::Node(o) => &o.metadata,
-        };
-        (
-            meta.namespace.clone().unwrap_or_default(),
-            meta.name.clone().unwrap_or_default(),
-        )
+        match self {
+            Obj::Service(o) => (o.namespace.clone(), o.name.clone()),
+            Obj::Slice(o) => (o.namespace.clone(), o.name.clone()),
+            Obj::Node(o) => (String::new(), o.name_any()),
+        }
     }
 
     fn applied(self) -> SourceEvent {
@@ -345,10 +328,10 @@ mod tests {
         events
             .iter()
             .map(|e| match e {
-                SourceEvent::ServiceApplied(o) => format!("+svc {}", o.name_any()),
-                SourceEvent::ServiceDeleted(o) => format!("-svc {}", o.name_any()),
-                SourceEvent::SliceApplied(o) => format!("+slice {}", o.name_any()),
-                SourceEvent::SliceDeleted(o) => format!("-slice {}", o.name_any()),
+                SourceEvent::ServiceApplied(o) => format!("+svc {}", o.name),
+                SourceEvent::ServiceDeleted(o) => format!("-svc {}", o.name),
+                SourceEvent::SliceApplied(o) => format!("+slice {}", o.name),
+                SourceEvent::SliceDeleted(o) => format!("-slice {}", o.name),
                 SourceEvent::NodeApplied(o) => format!("+node {}", o.name_any()),
                 SourceEvent::Synced => "synced".into(),
                 SourceEvent::Resync => "resync".into(),

@@ -2,19 +2,22 @@
 //! stream of [`SourceEvent`]s, so the rest of the agent does not know (or care) which one runs.
 use std::sync::Arc;
 
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::api::core::v1::Node;
+
+use crate::view::{ServiceView, SliceView};
 
 pub mod dir;
 pub mod kube;
 
-/// One change seen by a source. Objects are shared (`Arc`): a source that keeps its own cache
-/// and the pipeline hold one allocation per object between them.
+/// One change seen by a source. Services and EndpointSlices arrive digested (only what
+/// translation reads) and shared (`Arc`): a source that keeps its own cache and the pipeline
+/// hold one small allocation per object between them.
 #[derive(Clone, Debug)]
 pub enum SourceEvent {
-    ServiceApplied(Arc<Service>),
-    ServiceDeleted(Arc<Service>),
-    SliceApplied(Arc<EndpointSlice>),
-    SliceDeleted(Arc<EndpointSlice>),
+    ServiceApplied(Arc<ServiceView>),
+    ServiceDeleted(Arc<ServiceView>),
+    SliceApplied(Arc<SliceView>),
+    SliceDeleted(Arc<SliceView>),
     /// This agent's own Node (addresses, zone).
     NodeApplied(Arc<Node>),
     /// Everything the source had at start (or after a relist) has been sent: the agent may
