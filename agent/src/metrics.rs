@@ -60,7 +60,7 @@ impl ErrorKind {
     /// recognisably a map write or a conflict is a translation problem.
     pub fn of_problem(p: &Problem) -> Self {
         let m = p.message.as_str();
-        if m.contains(" is already used by service ") {
+        if m.contains(" is already used by service ") || m.contains(" is taken over by older service ") {
             return Self::Conflict;
         }
         if m.contains(" is full (") {

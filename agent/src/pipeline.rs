@@ -185,9 +185,18 @@ impl<M: LbMaps> Pipeline<M> {
             return rep;
         }
         self.stats.flushes += 1;
-        while let Some(k) = self.dirty.pop_first() {
-            rep.services += 1;
-            self.apply_service(&k, &mut rep);
+        while !self.dirty.is_empty() {
+            // Oldest Services first, so a contested frontend goes straight to the one that
+            // keeps it (no brief detour through a newer claimant's backends after a restart).
+            let mut batch: Vec<((i64, String), String)> = std::mem::take(&mut self.dirty)
+                .into_iter()
+                .map(|k| (self.services.get(&k).map_or((i64::MAX, k.clone()), |s| s.rank()), k))
+                .collect();
+            batch.sort_unstable();
+            for (_, k) in batch {
+                rep.services += 1;
+                self.apply_service(&k, &mut rep);
+            }
         }
         if !self.pruned {
             // Frontends adopted from a previous run that no Service claims any more.
@@ -242,13 +251,31 @@ impl<M: LbMaps> Pipeline<M> {
 
         let old = self.owned.remove(key).unwrap_or_default();
         let mut now_owned = BTreeSet::new();
+        let my_rank = self.services.get(key).map(|s| s.rank());
         for (fe, spec) in &t.frontends {
-            if let Some(o) = self.owner.get(fe) {
+            if let Some(o) = self.owner.get(fe).cloned() {
                 if o != key {
                     self.stats.conflicts += 1;
-                    rep.problems.push(Problem { service: key.into(), message: format!("frontend {fe} is already used by service {o}; not programmed") });
-                    self.contenders.entry(*fe).or_default().insert(key.into());
-                    continue;
+                    // An owner whose Service is already gone (its deletion is still queued)
+                    // always yields.
+                    let theirs = self.services.get(&o).map(|s| s.rank());
+                    if theirs.is_some() && theirs <= my_rank {
+                        rep.problems.push(Problem { service: key.into(), message: format!("frontend {fe} is already used by service {o} (older); not programmed") });
+                        self.contenders.entry(*fe).or_default().insert(key.into());
+                        continue;
+                    }
+                    // This Service is older: it takes the frontend over (the upsert below
+                    // rewrites it in place) and the newer one waits as a contender.
+                    if theirs.is_some() {
+                        rep.problems.push(Problem { service: o.clone(), message: format!("frontend {fe} is taken over by older service {key}; not programmed") });
+                    }
+                    if let Some(set) = self.owned.get_mut(&o) {
+                        set.remove(fe);
+                        if set.is_empty() {
+                            self.owned.remove(&o);
+                        }
+                    }
+                    self.contenders.entry(*fe).or_default().insert(o);
                 }
             }
             match self.lb.upsert(&mut self.maps, fe, spec) {
@@ -368,6 +395,63 @@ mod tests {
         p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.1", "a"))));
         p.flush();
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.2:8080"]);
+    }
+
+    fn web_created(ip: &str, name: &str, created: &str) -> ServiceView {
+        svc(&format!("metadata: {{name: {name}, namespace: d, creationTimestamp: \"{created}\"}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"))
+    }
+
+    #[test]
+    fn contested_frontend_goes_to_the_oldest_service_also_across_restarts() {
+        // "z" is older than "a": name order must not decide.
+        let old = web_created("10.96.0.1", "z", "2020-01-01T00:00:00Z");
+        let new = web_created("10.96.0.1", "a", "2024-01-01T00:00:00Z");
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Arc::new(new.clone())));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.2"]))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(old.clone())));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("z", "z-x", &["10.0.0.1"]))));
+        p.handle(SourceEvent::Synced);
+        let r = p.flush();
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080"]);
+        assert!(r.problems.iter().any(|pr| pr.service == "d/a" && pr.message.contains("already used by service d/z")), "{:?}", r.problems);
+
+        // Live: a newer Service never takes it; an older one arriving later does, in place.
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Arc::new(new.clone())));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.2"]))));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.2:8080"]);
+        p.handle(SourceEvent::ServiceApplied(Arc::new(old.clone())));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("z", "z-x", &["10.0.0.1"]))));
+        let r = p.flush();
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080"]);
+        assert!(r.problems.iter().any(|pr| pr.service == "d/a" && pr.message.contains("taken over by older service d/z")), "{:?}", r.problems);
+        assert_eq!(p.lb().frontend_count(), 1);
+        // The newer one gets it back once the older one is gone.
+        p.handle(SourceEvent::ServiceDeleted(Arc::new(old)));
+        p.flush();
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.2:8080"]);
+
+        // Restart with the older owner's state in the maps: not one write for the frontend.
+        let mut p = pipeline();
+        let older = web_created("10.96.0.1", "z", "2020-01-01T00:00:00Z");
+        p.handle(SourceEvent::ServiceApplied(Arc::new(older.clone())));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("z", "z-x", &["10.0.0.1"]))));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        let maps = std::mem::take(&mut p.maps);
+        let lb = LbState::adopt(&maps.dump());
+        let mut p2 = Pipeline::new(MemMaps { check_invariant: true, ..maps }, lb, NodeInfo::default());
+        p2.handle(SourceEvent::ServiceApplied(Arc::new(new)));
+        p2.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.2"]))));
+        p2.handle(SourceEvent::ServiceApplied(Arc::new(older)));
+        p2.handle(SourceEvent::SliceApplied(Arc::new(eps("z", "z-x", &["10.0.0.1"]))));
+        p2.handle(SourceEvent::Synced);
+        let r = p2.flush();
+        assert_eq!(r.writes.total(), 0, "{:?}", r.writes);
+        assert_eq!(backends(&p2, "10.96.0.1:80"), ["10.0.0.1:8080"]);
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
 pub struct ServiceView {
     pub namespace: String,
     pub name: String,
+    /// `creationTimestamp` in seconds: when two Services claim one frontend, the older keeps it.
+    pub created: Option<i64>,
     /// Why gardenet leaves this Service alone (another proxy's, ExternalName, headless).
     pub skipped: Option<String>,
     /// Found while digesting: unparsable addresses, unknown families, a missing spec.
@@ -121,6 +123,12 @@ impl ServiceView {
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
+
+    /// Precedence for a contested frontend: older first, then by key (a Service without a
+    /// timestamp counts as newest). Stable across restarts, unlike "whoever came first".
+    pub fn rank(&self) -> (i64, String) {
+        (self.created.unwrap_or(i64::MAX), self.key())
+    }
 }
 
 impl From<&Service> for ServiceView {
@@ -129,6 +137,7 @@ impl From<&Service> for ServiceView {
         let mut v = ServiceView {
             namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
             name: meta.name.clone().unwrap_or_default(),
+            created: meta.creation_timestamp.as_ref().map(|t| t.0.as_second()),
             ..Default::default()
         };
         if let Some(p) = meta.labels.as_ref().and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)) {
