@@ -14,7 +14,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use gardenet_common::{
     ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, ServiceKey4, ServiceKey6, ServiceValue4,
-    SVC_FLAG_NONE,
+    BE_FLAG_REMOTE, SVC_FLAG_NONE, SVC_FLAG_SNAT_REMOTE,
 };
 
 use crate::model::{Backend, Frontend, FrontendSpec, Proto};
@@ -164,6 +164,8 @@ struct Programmed {
     /// Backend id per slot (slot i+1 holds slots[i]).
     slots: Vec<u32>,
     affinity_timeout: u32,
+    /// Master-entry flags (`SVC_FLAG_*`).
+    flags: u16,
 }
 
 type BeKey = (Backend, Proto);
@@ -209,22 +211,31 @@ fn v6_of(a: IpAddr) -> Ipv6Addr {
     }
 }
 
+fn backend_flags(be: &Backend) -> u8 {
+    if be.remote { BE_FLAG_REMOTE } else { 0 }
+}
+
+/// The master entry's `SVC_FLAG_*` for a frontend spec.
+fn master_flags(spec: &FrontendSpec) -> u16 {
+    if spec.snat_remote { SVC_FLAG_SNAT_REMOTE } else { SVC_FLAG_NONE }
+}
+
 /// `GN_BE4` value of an IPv4 backend.
 pub fn backend_value(be: &Backend, proto: Proto) -> Backend4 {
-    Backend4 { addr: u32::from(v4_of(be.addr)).to_be(), port: be.port.to_be(), proto: proto.number(), flags: 0 }
+    Backend4 { addr: u32::from(v4_of(be.addr)).to_be(), port: be.port.to_be(), proto: proto.number(), flags: backend_flags(be) }
 }
 
 /// `GN_BE6` value of an IPv6 backend.
 pub fn backend_value6(be: &Backend, proto: Proto) -> Backend6 {
-    Backend6 { addr: ip6_from_octets(v6_of(be.addr).octets()), port: be.port.to_be(), proto: proto.number(), flags: 0 }
+    Backend6 { addr: ip6_from_octets(v6_of(be.addr).octets()), port: be.port.to_be(), proto: proto.number(), flags: backend_flags(be) }
 }
 
 pub fn backend_from_value(v: &Backend4) -> Backend {
-    Backend { addr: Ipv4Addr::from(u32::from_be(v.addr)).into(), port: u16::from_be(v.port) }
+    Backend { addr: Ipv4Addr::from(u32::from_be(v.addr)).into(), port: u16::from_be(v.port), remote: v.flags & BE_FLAG_REMOTE != 0 }
 }
 
 pub fn backend_from_value6(v: &Backend6) -> Backend {
-    Backend { addr: Ipv6Addr::from(ip6_octets(v.addr)).into(), port: u16::from_be(v.port) }
+    Backend { addr: Ipv6Addr::from(ip6_octets(v.addr)).into(), port: u16::from_be(v.port), remote: v.flags & BE_FLAG_REMOTE != 0 }
 }
 
 /// A dump of the maps as the kernel has them (for adoption after a restart, and `lb list`).
@@ -287,6 +298,9 @@ pub struct DumpedFrontend {
     pub frontend: Frontend,
     pub backends: Vec<Backend>,
     pub affinity_timeout: u32,
+    /// External traffic to remote backends is source-NATed (`SVC_FLAG_SNAT_REMOTE`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub snat_remote: bool,
     /// Slots whose backend id is missing from the backend map (should never happen).
     pub dangling_slots: u32,
 }
@@ -309,7 +323,7 @@ impl MapDump {
                     None => dangling += 1,
                 }
             }
-            out.push(DumpedFrontend { frontend, backends, affinity_timeout: m.affinity_timeout, dangling_slots: dangling });
+            out.push(DumpedFrontend { frontend, backends, affinity_timeout: m.affinity_timeout, snat_remote: m.flags & SVC_FLAG_SNAT_REMOTE != 0, dangling_slots: dangling });
         }
         out
     }
@@ -351,7 +365,7 @@ impl LbState {
                 st.backends.entry(k).or_insert(*id);
                 st.by_id.entry(*id).or_insert((k, 0)).1 += 1;
             }
-            st.frontends.insert(fe, Programmed { slots: ids, affinity_timeout: v.affinity_timeout });
+            st.frontends.insert(fe, Programmed { slots: ids, affinity_timeout: v.affinity_timeout, flags: v.flags });
         }
         st
     }
@@ -409,7 +423,7 @@ impl LbState {
         }
         let old = self.frontends.get(fe).cloned();
         if let Some(o) = &old {
-            if o.affinity_timeout == spec.affinity_timeout && self.same_backends(o, &wanted, fe.proto) {
+            if o.affinity_timeout == spec.affinity_timeout && o.flags == master_flags(spec) && self.same_backends(o, &wanted, fe.proto) {
                 return Ok(w);
             }
         }
@@ -476,7 +490,7 @@ impl LbState {
         let master = ServiceValue4 {
             backend_id: 0,
             count: new_slots.len() as u16,
-            flags: SVC_FLAG_NONE,
+            flags: master_flags(spec),
             affinity_timeout: spec.affinity_timeout,
         };
         if let Err(e) = key.put(maps, &master) {
@@ -508,7 +522,7 @@ impl LbState {
             }
         }
         w.deletes += self.release(maps, &old_slots);
-        self.frontends.insert(*fe, Programmed { slots: new_slots, affinity_timeout: spec.affinity_timeout });
+        self.frontends.insert(*fe, Programmed { slots: new_slots, affinity_timeout: spec.affinity_timeout, flags: master_flags(spec) });
         Ok(w)
     }
 
@@ -775,10 +789,10 @@ mod tests {
         Frontend { addr: "10.96.0.10".parse().unwrap(), port, proto: Proto::Tcp }
     }
     fn be(last: u8) -> Backend {
-        Backend { addr: format!("10.0.0.{last}").parse().unwrap(), port: 8080 }
+        Backend::new(format!("10.0.0.{last}").parse().unwrap(), 8080)
     }
     fn spec(bs: &[u8]) -> FrontendSpec {
-        FrontendSpec { backends: bs.iter().map(|b| be(*b)).collect(), affinity_timeout: 0 }
+        FrontendSpec { backends: bs.iter().map(|b| be(*b)).collect(), ..Default::default() }
     }
     fn programmed(maps: &MemMaps, f: &Frontend) -> Vec<Backend> {
         let d = maps.dump().frontends();
@@ -912,6 +926,30 @@ mod tests {
     }
 
     #[test]
+    fn snat_and_remote_flags_reach_the_maps_and_survive_adoption() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let remote = Backend { remote: true, ..be(2) };
+        let s = FrontendSpec { backends: vec![be(1), remote], snat_remote: true, ..Default::default() };
+        st.upsert(&mut m, &fe(80), &s).unwrap();
+        assert_eq!(m.services[&service_key(&fe(80))].flags, SVC_FLAG_SNAT_REMOTE);
+        let flags: BTreeSet<u8> = m.backends.values().map(|b| b.flags).collect();
+        assert_eq!(flags, BTreeSet::from([0, BE_FLAG_REMOTE]));
+        let d = m.dump().frontends();
+        assert!(d[0].snat_remote && d[0].backends.contains(&remote));
+        // A restart rewrites nothing; a change of the flag alone rewrites the master only.
+        let mut adopted = LbState::adopt(&m.dump());
+        assert_eq!(adopted.upsert(&mut m, &fe(80), &s).unwrap().total(), 0);
+        let w = adopted.upsert(&mut m, &fe(80), &FrontendSpec { snat_remote: false, ..s.clone() }).unwrap();
+        assert_eq!(w.total(), 1, "{w:?}");
+        assert_eq!(m.services[&service_key(&fe(80))].flags, SVC_FLAG_NONE);
+        // The same address moving to another node is another backend (its flag differs).
+        let w = adopted.upsert(&mut m, &fe(80), &FrontendSpec { backends: vec![be(1), be(2)], ..Default::default() }).unwrap();
+        assert!(w.total() >= 3, "{w:?}");
+        assert!(m.backends.values().all(|b| b.flags == 0));
+    }
+
+    #[test]
     fn adopt_drops_inconsistent_frontends() {
         let mut m = MemMaps::default();
         let key = service_key(&fe(80));
@@ -956,10 +994,10 @@ mod tests {
         Frontend { addr: "fd00:19::10".parse().unwrap(), port, proto: Proto::Tcp }
     }
     fn be6(last: u8) -> Backend {
-        Backend { addr: format!("fd00:18:1::{last:x}").parse().unwrap(), port: 8080 }
+        Backend::new(format!("fd00:18:1::{last:x}").parse().unwrap(), 8080)
     }
     fn spec6(bs: &[u8]) -> FrontendSpec {
-        FrontendSpec { backends: bs.iter().map(|b| be6(*b)).collect(), affinity_timeout: 0 }
+        FrontendSpec { backends: bs.iter().map(|b| be6(*b)).collect(), ..Default::default() }
     }
 
     #[test]

@@ -79,6 +79,17 @@ impl FromStr for Frontend {
 pub struct Backend {
     pub addr: IpAddr,
     pub port: u16,
+    /// Runs on another node (its EndpointSlice says so): external traffic to it is
+    /// source-NATed when the frontend asks for it (`FrontendSpec::snat_remote`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub remote: bool,
+}
+
+impl Backend {
+    /// A backend on this node (or of unknown location).
+    pub fn new(addr: IpAddr, port: u16) -> Self {
+        Backend { addr, port, remote: false }
+    }
 }
 
 impl fmt::Display for Backend {
@@ -100,7 +111,7 @@ impl FromStr for Backend {
         if port == 0 {
             return Err(format!("{s:?}: port must be 1-65535"));
         }
-        Ok(Backend { addr, port })
+        Ok(Backend::new(addr, port))
     }
 }
 
@@ -111,6 +122,10 @@ pub struct FrontendSpec {
     pub backends: Vec<Backend>,
     /// ClientIP session affinity timeout in seconds (0 = none).
     pub affinity_timeout: u32,
+    /// Source-NAT TC LB flows to remote backends (external frontends of
+    /// `externalTrafficPolicy: Cluster` Services), so their replies come back through here.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub snat_remote: bool,
 }
 
 /// The whole desired state.

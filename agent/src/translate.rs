@@ -82,7 +82,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
             problem(&mut out, format!("port {}: {} is out of range 1-65535", sp.label(), sp.port));
             continue;
         };
-        let cands = endpoints_for(sp, proto, slices, &mut out, &key);
+        let cands = endpoints_for(sp, proto, slices, node, &mut out, &key);
         // Per family: [IPv4, IPv6] x (internal, external). A frontend only gets backends of
         // its own family (no NAT46/64).
         let mut specs: Vec<(FrontendSpec, FrontendSpec)> = Vec::with_capacity(2);
@@ -100,8 +100,11 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
                 }
                 _ => pick(fam.iter().copied()),
             };
-            let internal = FrontendSpec { backends: if svc.internal_local { local.clone() } else { cluster.clone() }, affinity_timeout };
-            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout };
+            let internal = FrontendSpec { backends: if svc.internal_local { local.clone() } else { cluster.clone() }, affinity_timeout, snat_remote: false };
+            // External clients of a Cluster-policy Service may land on another node's
+            // endpoint, whose reply must come back through here: source NAT (kube-proxy
+            // masquerades). Local policy keeps the client address and has no remote ones.
+            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout, snat_remote: !svc.external_local };
             specs.push((internal, externl));
         }
         let fam_idx = |a: &IpAddr| if a.is_ipv4() { 0 } else { 1 };
@@ -172,7 +175,7 @@ fn valid_port(p: i32) -> Option<u16> {
 
 /// Endpoint candidates for one Service port from all slices (merged; duplicates are resolved
 /// by `pick`).
-fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], out: &mut Translated, key: &str) -> Vec<Candidate<'a>> {
+fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], node: &NodeInfo, out: &mut Translated, key: &str) -> Vec<Candidate<'a>> {
     let mut cands = Vec::new();
     for slice in slices {
         // EndpointSlice ports are matched to Service ports by name (named targetPorts are
@@ -185,7 +188,8 @@ fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], out:
             continue;
         };
         cands.extend(slice.endpoints.iter().map(|ep| Candidate {
-            backend: Backend { addr: ep.addr, port: pn },
+            // On another node only if both names are known (no nodeName: treated as local).
+            backend: Backend { addr: ep.addr, port: pn, remote: !node.name.is_empty() && ep.node.as_deref().is_some_and(|n| n != node.name) },
             ready: ep.ready,
             serving: ep.serving,
             node: ep.node.as_deref(),
@@ -242,8 +246,14 @@ endpoints:
     fn fe(s: &str) -> Frontend {
         s.parse().unwrap()
     }
+    /// Backends from "ADDR:PORT", with " remote" for one on another node.
     fn bes(v: &[&str]) -> Vec<Backend> {
-        v.iter().map(|s| s.parse().unwrap()).collect()
+        v.iter()
+            .map(|s| match s.strip_suffix(" remote") {
+                Some(a) => Backend { remote: true, ..a.parse().unwrap() },
+                None => s.parse().unwrap(),
+            })
+            .collect()
     }
 
     #[test]
@@ -455,14 +465,26 @@ spec:
     #[test]
     fn external_traffic_policy_local_uses_local_endpoints_for_external_frontends_only() {
         let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &node());
-        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080"]));
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080 remote"]));
         assert_eq!(backends_of(&t, "192.0.2.10:30080/tcp"), bes(&["10.0.0.1:8080"]));
+        assert!(t.frontends.iter().all(|(_, s)| !s.snat_remote), "Local policy keeps the client address");
         assert_eq!(t.health_check, Some(HealthCheck { port: 32000, namespace: "demo".into(), name: "web".into(), local_endpoints: 1 }));
         // Another node without local endpoints: external frontends have none, health says 0.
         let other = NodeInfo { name: "n3".into(), ..node() };
         let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &other);
         assert!(backends_of(&t, "192.0.2.10:30080/tcp").is_empty());
         assert_eq!(t.health_check.unwrap().local_endpoints, 0);
+    }
+
+    #[test]
+    fn external_frontends_of_cluster_policy_source_nat_remote_backends() {
+        let t = translate(&svc(&LB_SVC.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster")), &[&slice(LOCAL_SLICE)], &node());
+        let snat: Vec<String> = t.frontends.iter().filter(|(_, s)| s.snat_remote).map(|(f, _)| f.to_string()).collect();
+        assert_eq!(snat, ["192.0.2.10:30080/tcp"], "NodePort (external) yes, ClusterIP no");
+        assert_eq!(backends_of(&t, "192.0.2.10:30080/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080 remote"]));
+        // Without a node name of our own nothing counts as remote.
+        let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &NodeInfo { name: String::new(), ..node() });
+        assert!(t.frontends.iter().flat_map(|(_, s)| &s.backends).all(|b| !b.remote));
     }
 
     #[test]
@@ -487,7 +509,7 @@ spec:
         assert_eq!(backends_of(&t, "10.96.0.10:80/tcp").len(), 2, "no annotation: hints ignored");
         let auto = plain.replace("namespace: demo}", "namespace: demo, annotations: {service.kubernetes.io/topology-mode: Auto}}");
         let t = translate(&svc(&auto), &[&slice(LOCAL_SLICE)], &with_zone);
-        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.2:8080"]));
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.2:8080 remote"]));
         // An endpoint without hints disables them for the whole Service.
         let partial = LOCAL_SLICE.replace(", hints: {forZones: [{name: z2}]}", "");
         let t = translate(&svc(&auto), &[&slice(&partial)], &with_zone);

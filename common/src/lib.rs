@@ -63,10 +63,29 @@ pub const SCOPE_ALL: u8 = 0;
 
 /// Master-entry flags.
 pub const SVC_FLAG_NONE: u16 = 0;
+/// An external frontend (NodePort, externalIP, LB ingress) of an `externalTrafficPolicy:
+/// Cluster` Service: TC LB source-NATs flows it sends to a backend on another node, so the
+/// reply comes back through this node (as kube-proxy's masquerade does).
+pub const SVC_FLAG_SNAT_REMOTE: u16 = 1;
+
+/// `Backend4/6::flags`: the endpoint runs on another node.
+pub const BE_FLAG_REMOTE: u8 = 1;
 
 /// Conntrack direction.
 pub const CT_DIR_FORWARD: u8 = 0;
 pub const CT_DIR_REPLY: u8 = 1;
+/// Source NAT of a forward flow, keyed by the packet after DNAT (client -> backend); the
+/// value is the node address and port it leaves with.
+pub const CT_DIR_SNAT_FWD: u8 = 2;
+/// Its reverse, keyed by the backend's reply (backend -> node address:port); the value is
+/// the client to send it back to.
+pub const CT_DIR_SNAT_REPLY: u8 = 3;
+/// `CtValue4/6::flags` of a forward entry whose flow is also source-NATed.
+pub const CT_FLAG_SNAT: u16 = 1;
+/// Ports used for source NAT: above the default ephemeral range (32768-60999) and the
+/// NodePort range, so they do not collide with the node's own connections.
+pub const SNAT_PORT_MIN: u16 = 61_000;
+pub const SNAT_PORT_COUNT: u16 = 4_536;
 
 /// Indexes into the per-CPU `GN_STATS` array.
 #[repr(u32)]
@@ -84,8 +103,12 @@ pub enum Stat {
     AffinityHit = 9,
     XdpDropNoBackend = 10,
     TcCtStale = 11,
+    TcSnat = 12,
+    TcSnatRevNat = 13,
+    /// No free source-NAT port or no route to the backend: the packet was dropped.
+    TcSnatFailed = 14,
 }
-pub const STATS_LEN: u32 = 12;
+pub const STATS_LEN: u32 = 15;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -99,6 +122,9 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "affinity_hit",
     "xdp_drop_no_backend",
     "tc_ct_stale_purged",
+    "tc_snat",
+    "tc_snat_revnat",
+    "tc_snat_failed",
 ];
 
 /// Key of `GN_SVC4`.

@@ -3,8 +3,11 @@
 //! socket LB cannot see (NodePort from other nodes, clients outside our cgroup).
 
 use aya_ebpf::{
-    bindings::TC_ACT_SHOT,
-    helpers::{bpf_ktime_get_ns, generated::bpf_redirect},
+    bindings::{bpf_fib_lookup as FibParams, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC, BPF_NOEXIST, TC_ACT_SHOT},
+    helpers::{
+        bpf_ktime_get_ns,
+        generated::{bpf_fib_lookup, bpf_get_prandom_u32, bpf_redirect, bpf_redirect_neigh},
+    },
     macros::classifier,
     programs::TcContext,
 };
@@ -28,6 +31,7 @@ const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 const IP_SRC_OFF: usize = ETH_HLEN + 12;
 const IP_DST_OFF: usize = ETH_HLEN + 16;
 
+const TCP_FLAG_FIN: u8 = 0x01;
 const TCP_FLAG_RST: u8 = 0x04;
 const TCP_FLAG_SYN: u8 = 0x02;
 const TCP_FLAG_ACK: u8 = 0x10;
@@ -140,6 +144,10 @@ fn parse(ctx: &TcContext) -> Option<Flow> {
 
 #[inline(always)]
 fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
+    // A backend's reply to a flow we source-NATed: it is addressed to this node.
+    if let Some(v) = snat_reverse(ctx, f) {
+        return Some(v);
+    }
     // A reply of a flow we DNATed earlier that re-enters the node here.
     if let Some(v) = rev_nat(ctx, f) {
         return Some(v);
@@ -153,7 +161,10 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
         if let Some(ct) = GN_CT4.get_ptr_mut(&fkey) {
             let ct = unsafe { &mut *ct };
             ct.last_seen_ns = now;
-            let (addr, port) = (ct.addr, ct.port);
+            let (addr, port, flags) = (ct.addr, ct.port, ct.flags);
+            if flags & CT_FLAG_SNAT != 0 {
+                return Some(snat_established(ctx, f, addr, port, now));
+            }
             dnat(ctx, f, addr, port)?;
             stat(Stat::TcDnat);
             return Some(PASS);
@@ -173,6 +184,9 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
         stat(Stat::TcMissingBackend);
         return None;
     };
+    if master.flags & SVC_FLAG_SNAT_REMOTE != 0 && be.flags & BE_FLAG_REMOTE != 0 {
+        return Some(snat_new(ctx, f, &fkey, &be, now));
+    }
     // Reply first: once the backend can answer, the answer must be translated.
     let rkey = CtKey4 {
         saddr: be.addr,
@@ -191,6 +205,190 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     dnat(ctx, f, be.addr, be.port)?;
     stat(Stat::TcDnat);
     Some(PASS)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Source NAT for external frontends whose backend runs on another node: that backend's reply
+// would otherwise go straight to the client (from the pod's address, which the client never
+// talked to). The flow leaves with this node's address toward the backend and a port from
+// SNAT_PORT_MIN.., so the reply comes back here, is translated back, and is sent to the client.
+// Both directions are transmitted with `bpf_redirect_neigh`: after the rewrite the packet
+// carries a local source address, which the stack's input path would drop as martian.
+
+/// How long an idle source-NAT port stays reserved (no packets in either direction), and how
+/// long after a FIN or RST. Kept short after a close so busy backends do not run out of the
+/// 4,536 ports they have per node address.
+const SNAT_IDLE_TCP_NS: u64 = 7_200 * 1_000_000_000;
+const SNAT_IDLE_UDP_NS: u64 = 120 * 1_000_000_000;
+const SNAT_CLOSED_NS: u64 = 10 * 1_000_000_000;
+const SNAT_PORT_TRIES: u32 = 8;
+
+/// Route from this node to `dst` as if forwarding a packet that came in on `ifindex`: the
+/// egress interface and, with `want_src`, the node's preferred source address on that route.
+#[inline(always)]
+fn route(ctx: &TcContext, ifindex: u32, proto: u8, src: u32, dst: u32, want_src: bool) -> Option<(u32, u32)> {
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = 2; // AF_INET
+    p.l4_protocol = proto;
+    p.ifindex = ifindex;
+    p.__bindgen_anon_3.ipv4_src = src;
+    p.__bindgen_anon_4.ipv4_dst = dst;
+    let flags = BPF_FIB_LOOKUP_SKIP_NEIGH | if want_src { BPF_FIB_LOOKUP_SRC } else { 0 };
+    let rc = unsafe { bpf_fib_lookup(ctx.skb.skb.cast(), &mut p, core::mem::size_of::<FibParams>() as i32, flags) };
+    if rc != 0 {
+        return None;
+    }
+    Some((p.ifindex, unsafe { p.__bindgen_anon_3.ipv4_src }))
+}
+
+#[inline(always)]
+fn ingress_ifindex(ctx: &TcContext) -> u32 {
+    unsafe { (*ctx.skb.skb).ifindex }
+}
+
+#[inline(always)]
+fn transmit(ifindex: u32) -> i32 {
+    unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+}
+
+/// Whether a reserved source-NAT port may be given to a new flow.
+#[inline(always)]
+fn snat_port_free(v: &CtValue4, proto: u8, now: u64) -> bool {
+    let idle = now.wrapping_sub(v.last_seen_ns);
+    let limit = if v.flags & CT_FLAG_SNAT != 0 {
+        SNAT_CLOSED_NS
+    } else if proto == PROTO_TCP {
+        SNAT_IDLE_TCP_NS
+    } else {
+        SNAT_IDLE_UDP_NS
+    };
+    idle > limit
+}
+
+/// A FIN or RST in either direction starts the short hold of the flow's port. (The reply
+/// entry's `CT_FLAG_SNAT` means "closing" here.)
+#[inline(always)]
+fn snat_note_close(f: &Flow, v: &mut CtValue4) {
+    if f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0 {
+        v.flags |= CT_FLAG_SNAT;
+    }
+}
+
+/// First packet of a flow to `be` that needs source NAT.
+#[inline(always)]
+fn snat_new(ctx: &TcContext, f: &Flow, fkey: &CtKey4, be: &Backend4, now: u64) -> i32 {
+    let Some((out_if, nat_addr)) = route(ctx, ingress_ifindex(ctx), f.proto, f.saddr, be.addr, true) else {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    };
+    // A port: random start, a few tries; a port whose flow is long idle or closed is reused.
+    let start = unsafe { bpf_get_prandom_u32() };
+    let back = CtValue4 { addr: f.saddr, port: f.sport, flags: 0, last_seen_ns: now };
+    let mut nat_port = 0u16;
+    for i in 0..SNAT_PORT_TRIES {
+        let port = (SNAT_PORT_MIN + (start.wrapping_add(i) % SNAT_PORT_COUNT as u32) as u16).to_be();
+        let key = CtKey4 { saddr: be.addr, daddr: nat_addr, sport: be.port, dport: port, proto: f.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 };
+        let taken = match unsafe { GN_CT4.get(&key) } {
+            None => GN_CT4.insert(&key, &back, BPF_NOEXIST as u64).is_ok(),
+            Some(v) if snat_port_free(v, f.proto, now) => GN_CT4.insert(&key, &back, 0).is_ok(),
+            Some(_) => false,
+        };
+        if taken {
+            nat_port = port;
+            break;
+        }
+    }
+    if nat_port == 0 {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    }
+    // The reply, once its destination is restored, is translated back to the frontend.
+    let rkey = CtKey4 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
+    let rval = CtValue4 { addr: f.daddr, port: f.dport, flags: 0, last_seen_ns: now };
+    let skey = CtKey4 { saddr: f.saddr, daddr: be.addr, sport: f.sport, dport: be.port, proto: f.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+    let sval = CtValue4 { addr: nat_addr, port: nat_port, flags: 0, last_seen_ns: now };
+    let fval = CtValue4 { addr: be.addr, port: be.port, flags: CT_FLAG_SNAT, last_seen_ns: now };
+    if GN_CT4.insert(&rkey, &rval, 0).is_err() || GN_CT4.insert(&skey, &sval, 0).is_err() || GN_CT4.insert(fkey, &fval, 0).is_err() {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    }
+    stat(Stat::TcCtCreated);
+    if dnat(ctx, f, be.addr, be.port).is_none() || snat(ctx, f, nat_addr, nat_port).is_none() {
+        return DROP;
+    }
+    stat(Stat::TcDnat);
+    stat(Stat::TcSnat);
+    transmit(out_if)
+}
+
+/// Later packets of a source-NATed flow (the forward entry said so).
+#[inline(always)]
+fn snat_established(ctx: &TcContext, f: &Flow, be_addr: u32, be_port: u16, now: u64) -> i32 {
+    let skey = CtKey4 { saddr: f.saddr, daddr: be_addr, sport: f.sport, dport: be_port, proto: f.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+    let Some(s) = GN_CT4.get_ptr_mut(&skey) else {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    };
+    let s = unsafe { &mut *s };
+    s.last_seen_ns = now;
+    let (nat_addr, nat_port) = (s.addr, s.port);
+    let rkey = CtKey4 { saddr: be_addr, daddr: nat_addr, sport: be_port, dport: nat_port, proto: f.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 };
+    if let Some(r) = GN_CT4.get_ptr_mut(&rkey) {
+        let r = unsafe { &mut *r };
+        r.last_seen_ns = now;
+        snat_note_close(f, r);
+    }
+    let Some((out_if, _)) = route(ctx, ingress_ifindex(ctx), f.proto, nat_addr, be_addr, false) else {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    };
+    if dnat(ctx, f, be_addr, be_port).is_none() || snat(ctx, f, nat_addr, nat_port).is_none() {
+        return DROP;
+    }
+    stat(Stat::TcDnat);
+    stat(Stat::TcSnat);
+    transmit(out_if)
+}
+
+/// A backend's reply to a source-NATed flow: back to the client, from the frontend.
+#[inline(always)]
+fn snat_reverse(ctx: &TcContext, f: &Flow) -> Option<i32> {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let r = GN_CT4.get_ptr_mut(&f.ct_key(CT_DIR_SNAT_REPLY))?;
+    let r = unsafe { &mut *r };
+    r.last_seen_ns = now;
+    snat_note_close(f, r);
+    let (client, client_port) = (r.addr, r.port);
+    let rkey = CtKey4 { saddr: f.saddr, daddr: client, sport: f.sport, dport: client_port, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
+    let Some(fe) = GN_CT4.get_ptr_mut(&rkey) else {
+        stat(Stat::TcSnatFailed);
+        return Some(DROP);
+    };
+    let fe = unsafe { &mut *fe };
+    fe.last_seen_ns = now;
+    let (fe_addr, fe_port) = (fe.addr, fe.port);
+    let Some((out_if, _)) = route(ctx, ingress_ifindex(ctx), f.proto, fe_addr, client, false) else {
+        stat(Stat::TcSnatFailed);
+        return Some(DROP);
+    };
+    if dnat(ctx, f, client, client_port).is_none() || snat(ctx, f, fe_addr, fe_port).is_none() {
+        return Some(DROP);
+    }
+    stat(Stat::TcSnatRevNat);
+    Some(transmit(out_if))
+}
+
+/// Rewrites the source address and port (the counterpart of `dnat`).
+#[inline(always)]
+fn snat(ctx: &TcContext, f: &Flow, addr: u32, port: u16) -> Option<()> {
+    let csum = f.csum_off();
+    let fl = f.csum_flags();
+    ctx.l4_csum_replace(csum, f.saddr as u64, addr as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+    ctx.l4_csum_replace(csum, f.sport as u64, port as u64, 2 | fl).ok()?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, f.saddr as u64, addr as u64, 4).ok()?;
+    ctx.store(IP_SRC_OFF, &addr, 0).ok()?;
+    ctx.store(f.l4, &port, 0).ok()?;
+    Some(())
 }
 
 /// A new flow straight to a backend (not to a frontend) whose 4-tuple we still remember as the
@@ -214,13 +412,7 @@ fn rev_nat(ctx: &TcContext, f: &Flow) -> Option<i32> {
     let ct = unsafe { &mut *ct };
     ct.last_seen_ns = unsafe { bpf_ktime_get_ns() };
     let (addr, port) = (ct.addr, ct.port);
-    let csum = f.csum_off();
-    let fl = f.csum_flags();
-    ctx.l4_csum_replace(csum, f.saddr as u64, addr as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
-    ctx.l4_csum_replace(csum, f.sport as u64, port as u64, 2 | fl).ok()?;
-    ctx.l3_csum_replace(IP_CSUM_OFF, f.saddr as u64, addr as u64, 4).ok()?;
-    ctx.store(IP_SRC_OFF, &addr, 0).ok()?;
-    ctx.store(f.l4, &port, 0).ok()?;
+    snat(ctx, f, addr, port)?;
     stat(Stat::TcRevNat);
     Some(PASS)
 }

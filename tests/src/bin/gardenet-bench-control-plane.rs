@@ -249,12 +249,12 @@ fn slice(i: usize, eps: &[u32], udp: bool, rv: u64) -> EndpointSlice {
 fn expected(i: usize, eps: &[u32], udp: bool) -> Vec<(Frontend, BTreeSet<Backend>)> {
     let mut out = vec![(
         Frontend { addr: vip(i).into(), port: PORT_TCP, proto: Proto::Tcp },
-        eps.iter().map(|ip| Backend { addr: Ipv4Addr::from(*ip).into(), port: TARGET_TCP }).collect(),
+        eps.iter().map(|ip| Backend::new(Ipv4Addr::from(*ip).into(), TARGET_TCP)).collect(),
     )];
     if udp {
         out.push((
             Frontend { addr: vip(i).into(), port: PORT_UDP, proto: Proto::Udp },
-            eps.iter().map(|ip| Backend { addr: Ipv4Addr::from(*ip).into(), port: TARGET_UDP }).collect(),
+            eps.iter().map(|ip| Backend::new(Ipv4Addr::from(*ip).into(), TARGET_UDP)).collect(),
         ));
     }
     out

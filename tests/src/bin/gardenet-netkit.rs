@@ -181,8 +181,10 @@ fn serve(name: &str, port: u16) -> Result<()> {
 }
 
 /// Line protocol: `HELLO` -> name; `SINK n` -> reads n bytes, answers `name n`;
-/// `SOURCE n` -> answers `name` then n bytes; `PING` -> name (repeatable).
+/// `SOURCE n` -> answers `name` then n bytes; `PING` -> name (repeatable); `WHO` -> `name
+/// peer` (the client address as this server sees it).
 fn handle(s: TcpStream, name: &str) -> Result<()> {
+    let peer = s.peer_addr()?;
     let mut r = BufReader::new(s.try_clone()?);
     let mut w = s;
     let mut line = String::new();
@@ -207,6 +209,7 @@ fn handle(s: TcpStream, name: &str) -> Result<()> {
                     left -= k as u64;
                 }
             }
+            (Some("WHO"), _) => writeln!(w, "{name} {peer}")?,
             _ => writeln!(w, "{name}")?,
         }
     }
@@ -299,12 +302,14 @@ fn peername(to: SocketAddr, udp: bool) -> Result<()> {
     } else {
         let s = TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
         s.set_read_timeout(Some(Duration::from_secs(2)))?;
-        (&s).write_all(b"HELLO\n")?;
+        (&s).write_all(b"WHO\n")?;
         let mut line = String::new();
         BufReader::new(&s).read_line(&mut line)?;
         (s.peer_addr()?, line.trim().to_owned())
     };
-    println!("{}", json!({"peer": peer.to_string(), "name": name}));
+    // TCP answers "name client-as-seen-by-the-server".
+    let (name, seen_as) = name.split_once(' ').map_or((name.as_str(), None), |(n, a)| (n, Some(a)));
+    println!("{}", json!({"peer": peer.to_string(), "name": name, "seen_as": seen_as}));
     Ok(())
 }
 

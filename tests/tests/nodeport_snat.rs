@@ -1,0 +1,138 @@
+//! NodePort to a backend on another node: TC LB source-NATs the flow so the backend's reply
+//! comes back through this node (kube-proxy's masquerade for `externalTrafficPolicy: Cluster`).
+//! Needs root; fails (does not skip) without it.
+//!
+//! ```text
+//!  client ns            node ns (agent)                node3 ns                pod ns
+//!  c0 198.18.5.2 ── a0 198.18.5.1 (NodePort addr)
+//!                       a1 198.18.7.1 ───────────── x1 198.18.7.3
+//!                                                   x2 198.18.8.1 ────────── p0 198.18.8.10
+//!  c1 198.18.6.2 ───────────────────────────────── x0 198.18.6.1
+//! ```
+//! node3 reaches the client directly (c1/x0, like hosts on one flat underlay): without source
+//! NAT the pod's SYN-ACK would go that way, from an address the client never talked to, and
+//! the connection would fail.
+use std::time::{Duration, Instant};
+
+use gardenet_tests::{
+    lab::{counts, Agent, AgentOpts},
+    netns::{require_root, sibling_binary, sweep_leftovers, unique_tag, Netns, Proc},
+};
+use serde_json::Value;
+
+const NODE_NAME: &str = "lab-node";
+const CLIENT: &str = "198.18.5.2";
+const NODE_ADDR: &str = "198.18.5.1";
+const NODE_TO_NODE3: &str = "198.18.7.1";
+const POD: &str = "198.18.8.10";
+
+struct World {
+    // Drop order: server first, then namespaces.
+    _server: Proc,
+    client: Netns,
+    node: Netns,
+    _node3: Netns,
+    _pod: Netns,
+    tag: String,
+}
+
+fn world() -> World {
+    require_root();
+    sweep_leftovers();
+    let tag = unique_tag();
+    let ns = |s: &str| Netns::new(&format!("{tag}-{s}")).unwrap();
+    let (client, node, node3, pod) = (ns("cli"), ns("node"), ns("n3"), ns("pod"));
+    let veth = |a: &Netns, an: &str, aip: &str, b: &Netns, bn: &str, bip: &str| {
+        a.ip(&["link", "add", an, "type", "veth", "peer", "name", bn, "netns", &b.name]).unwrap();
+        a.ip(&["addr", "add", aip, "dev", an]).unwrap();
+        b.ip(&["addr", "add", bip, "dev", bn]).unwrap();
+        a.ip(&["link", "set", an, "up"]).unwrap();
+        b.ip(&["link", "set", bn, "up"]).unwrap();
+    };
+    veth(&client, "c0", "198.18.5.2/24", &node, "a0", "198.18.5.1/24");
+    veth(&client, "c1", "198.18.6.2/24", &node3, "x0", "198.18.6.1/24");
+    veth(&node, "a1", "198.18.7.1/24", &node3, "x1", "198.18.7.3/24");
+    veth(&node3, "x2", "198.18.8.1/24", &pod, "p0", "198.18.8.10/24");
+    // No default routes anywhere: only the lab's own prefixes.
+    node.ip(&["route", "add", "198.18.8.0/24", "via", "198.18.7.3"]).unwrap();
+    node3.ip(&["route", "add", "198.18.5.0/24", "via", "198.18.6.2"]).unwrap();
+    client.ip(&["route", "add", "198.18.8.0/24", "via", "198.18.6.1"]).unwrap();
+    pod.ip(&["route", "add", "198.18.0.0/16", "via", "198.18.8.1"]).unwrap();
+    for n in [&node, &node3] {
+        n.sysctl("net.ipv4.ip_forward", "1").unwrap();
+        n.sysctl("net.ipv4.conf.all.rp_filter", "0").unwrap();
+    }
+    client.sysctl("net.ipv4.conf.all.rp_filter", "0").unwrap();
+    let mut cmd = pod.command(sibling_binary("gardenet-netkit").unwrap(), None).unwrap();
+    cmd.args(["serve", "--name", "remote-pod", "--port", "8080"]);
+    let server = Proc::spawn(cmd, "server remote-pod").unwrap();
+    World { _server: server, client, node, _node3: node3, _pod: pod, tag }
+}
+
+impl World {
+    fn netkit(&self, args: &[&str]) -> Value {
+        let out = self.client.command(sibling_binary("gardenet-netkit").unwrap(), None).unwrap().args(args).output().unwrap();
+        assert!(out.status.success(), "netkit {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+}
+
+fn manifests(pod_node: &str) -> Vec<(&'static str, String)> {
+    let node = format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}]\n");
+    let svc = "apiVersion: v1\nkind: Service\nmetadata: {name: np, namespace: lab}\nspec:\n  type: NodePort\n  clusterIP: 198.19.0.30\n  externalTrafficPolicy: Cluster\n  ports:\n  - {name: p-tcp, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n  - {name: p-udp, port: 80, targetPort: 8080, nodePort: 30080, protocol: UDP}\n".to_string();
+    let eps = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: np-1, namespace: lab, labels: {{kubernetes.io/service-name: np}}}}\naddressType: IPv4\nports:\n  - {{name: p-tcp, port: 8080, protocol: TCP}}\n  - {{name: p-udp, port: 8080, protocol: UDP}}\nendpoints:\n  - addresses: [{POD}]\n    conditions: {{ready: true}}\n    nodeName: {pod_node}\n"
+    );
+    vec![("node.yaml", node), ("svc.yaml", svc), ("eps.yaml", eps)]
+}
+
+#[test]
+fn node_port_to_a_backend_on_another_node_is_source_natted() {
+    let w = world();
+    // The pod answers directly (and its replies to the client go the short way via node3).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while w.netkit(&["tcp", "--to", &format!("{POD}:8080"), "--count", "1", "--timeout-ms", "300"])["counts"]["remote-pod"] != 1 {
+        assert!(Instant::now() < deadline, "the pod does not answer directly");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let opts = AgentOpts { extra: vec!["--tc-interface=a0,a1".into()], ..Default::default() };
+    let mut agent = Agent::start_in(&w.tag, &w.node, None, opts, &manifests("node3")).unwrap();
+    let np = format!("{NODE_ADDR}:30080");
+    agent.wait_backends(&format!("{np}/tcp"), 1).unwrap();
+    let listed = agent.lb_list().unwrap();
+    let fe = listed.as_array().unwrap().iter().find(|f| f["frontend"]["port"] == 30080 && f["frontend"]["proto"] == "tcp").unwrap();
+    assert_eq!(fe["snat_remote"], true, "{fe}");
+    assert_eq!(fe["backends"][0]["remote"], true, "{fe}");
+
+    // TCP: every connection completes, and the pod sees the node's address, not the client's.
+    let v = w.netkit(&["tcp", "--to", &np, "--count", "100"]);
+    assert_eq!(counts(&v), [("remote-pod".to_string(), 100)], "{v}");
+    let who = w.netkit(&["peername", "--to", &np]);
+    assert_eq!(who["peer"], np, "{who}");
+    let seen = who["seen_as"].as_str().unwrap_or_default();
+    assert!(seen.starts_with(&format!("{NODE_TO_NODE3}:")), "the pod saw {seen}, want the node's address: {who}");
+    let port: u16 = seen.rsplit(':').next().unwrap().parse().unwrap();
+    assert!((61_000..=65_535).contains(&port), "source-NAT port {port}");
+    // Data both ways over one source-NATed connection.
+    let b = w.netkit(&["bulk", "--to", &np, "--bytes", &(4u64 << 20).to_string()]);
+    assert_eq!((&b["upload_backend"], &b["download_backend"]), (&"remote-pod".into(), &"remote-pod".into()), "{b}");
+    // UDP: answers come back from the NodePort.
+    let u = w.netkit(&["udp", "--to", &np, "--count", "20", "--fresh-socket"]);
+    assert_eq!(u["counts"]["remote-pod"], 20, "{u}");
+    assert_eq!(u["sources"][&np], 20, "{u}");
+
+    // The same endpoint on this node: no source NAT (the client address is kept), and it
+    // fails here precisely because the reply takes the short way round.
+    agent.write("eps.yaml", &manifests(NODE_NAME)[2].1).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lb_list().unwrap().as_array().unwrap().iter().any(|f| f["frontend"]["port"] == 30080 && f["backends"][0]["remote"] == true) {
+        assert!(Instant::now() < deadline, "the endpoint did not move to this node");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let c = w.netkit(&["connect", "--to", &np, "--timeout-ms", "1000"]);
+    assert_ne!(c["outcome"], "Connected", "without source NAT the reply bypasses the node: {c}");
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(!log.contains("panicked"), "{log}");
+    agent.stop();
+}
