@@ -142,7 +142,9 @@ fn parse(ctx: &TcContext) -> Option<Flow> {
     })
 }
 
-#[inline(always)]
+// The two families' ingress paths are separate BPF functions: inlined together, their keys
+// and FIB parameters exceed the 512-byte stack of one frame.
+#[inline(never)]
 fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     // A backend's reply to a flow we source-NATed: it is addressed to this node.
     if let Some(v) = snat_reverse(ctx, f) {
@@ -251,11 +253,12 @@ fn transmit(ifindex: u32) -> i32 {
     unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 }
 }
 
-/// Whether a reserved source-NAT port may be given to a new flow.
+/// Whether a reserved source-NAT port (its reply entry's flags and last use) may be given to
+/// a new flow.
 #[inline(always)]
-fn snat_port_free(v: &CtValue4, proto: u8, now: u64) -> bool {
-    let idle = now.wrapping_sub(v.last_seen_ns);
-    let limit = if v.flags & CT_FLAG_SNAT != 0 {
+fn snat_port_free(flags: u16, last_seen_ns: u64, proto: u8, now: u64) -> bool {
+    let idle = now.wrapping_sub(last_seen_ns);
+    let limit = if flags & CT_FLAG_SNAT != 0 {
         SNAT_CLOSED_NS
     } else if proto == PROTO_TCP {
         SNAT_IDLE_TCP_NS
@@ -268,9 +271,9 @@ fn snat_port_free(v: &CtValue4, proto: u8, now: u64) -> bool {
 /// A FIN or RST in either direction starts the short hold of the flow's port. (The reply
 /// entry's `CT_FLAG_SNAT` means "closing" here.)
 #[inline(always)]
-fn snat_note_close(f: &Flow, v: &mut CtValue4) {
-    if f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0 {
-        v.flags |= CT_FLAG_SNAT;
+fn snat_note_close(proto: u8, tcp_flags: u8, flags: &mut u16) {
+    if proto == PROTO_TCP && tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0 {
+        *flags |= CT_FLAG_SNAT;
     }
 }
 
@@ -290,7 +293,7 @@ fn snat_new(ctx: &TcContext, f: &Flow, fkey: &CtKey4, be: &Backend4, now: u64) -
         let key = CtKey4 { saddr: be.addr, daddr: nat_addr, sport: be.port, dport: port, proto: f.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 };
         let taken = match unsafe { GN_CT4.get(&key) } {
             None => GN_CT4.insert(&key, &back, BPF_NOEXIST as u64).is_ok(),
-            Some(v) if snat_port_free(v, f.proto, now) => GN_CT4.insert(&key, &back, 0).is_ok(),
+            Some(v) if snat_port_free(v.flags, v.last_seen_ns, f.proto, now) => GN_CT4.insert(&key, &back, 0).is_ok(),
             Some(_) => false,
         };
         if taken {
@@ -336,7 +339,7 @@ fn snat_established(ctx: &TcContext, f: &Flow, be_addr: u32, be_port: u16, now: 
     if let Some(r) = GN_CT4.get_ptr_mut(&rkey) {
         let r = unsafe { &mut *r };
         r.last_seen_ns = now;
-        snat_note_close(f, r);
+        snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
     }
     let Some((out_if, _)) = route(ctx, ingress_ifindex(ctx), f.proto, nat_addr, be_addr, false) else {
         stat(Stat::TcSnatFailed);
@@ -357,7 +360,7 @@ fn snat_reverse(ctx: &TcContext, f: &Flow) -> Option<i32> {
     let r = GN_CT4.get_ptr_mut(&f.ct_key(CT_DIR_SNAT_REPLY))?;
     let r = unsafe { &mut *r };
     r.last_seen_ns = now;
-    snat_note_close(f, r);
+    snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
     let (client, client_port) = (r.addr, r.port);
     let rkey = CtKey4 { saddr: f.saddr, daddr: client, sport: f.sport, dport: client_port, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
     let Some(fe) = GN_CT4.get_ptr_mut(&rkey) else {
@@ -571,8 +574,11 @@ fn forget_stale6(f: &Flow6) {
     }
 }
 
-#[inline(always)]
+#[inline(never)]
 fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
+    if let Some(v) = snat_reverse6(ctx, f) {
+        return Some(v);
+    }
     if let Some(v) = rev_nat6(ctx, f) {
         return Some(v);
     }
@@ -583,7 +589,10 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         if let Some(ct) = GN_CT6.get_ptr_mut(&fkey) {
             let ct = unsafe { &mut *ct };
             ct.last_seen_ns = now;
-            let (addr, port) = (ct.addr, ct.port);
+            let (addr, port, flags) = (ct.addr, ct.port, ct.flags);
+            if flags & CT_FLAG_SNAT != 0 {
+                return Some(snat_established6(ctx, f, &addr, port, now));
+            }
             nat6(ctx, f, &f.daddr, &addr, IP6_DST_OFF, f.dport, port, IP6_L4_OFF + 2)?;
             stat(Stat::TcDnat);
             return Some(PASS);
@@ -603,6 +612,9 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         stat(Stat::TcMissingBackend);
         return None;
     };
+    if master.flags & SVC_FLAG_SNAT_REMOTE != 0 && be.flags & BE_FLAG_REMOTE != 0 {
+        return Some(snat_new6(ctx, f, &fkey, &be, now));
+    }
     let rkey = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
     let rval = CtValue6 { addr: f.daddr, port: f.dport, flags: 0, _pad: 0, last_seen_ns: now };
     GN_CT6.insert(&rkey, &rval, 0).ok()?;
@@ -623,6 +635,147 @@ fn rev_nat6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     nat6(ctx, f, &f.saddr, &addr, IP6_SRC_OFF, f.sport, port, IP6_L4_OFF)?;
     stat(Stat::TcRevNat);
     Some(PASS)
+}
+
+/// IPv6 twin of `route`.
+#[inline(always)]
+fn route6(ctx: &TcContext, ifindex: u32, proto: u8, src: &Ip6, dst: &Ip6, want_src: bool) -> Option<(u32, Ip6)> {
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = 10; // AF_INET6
+    p.l4_protocol = proto;
+    p.ifindex = ifindex;
+    p.__bindgen_anon_3.ipv6_src = *src;
+    p.__bindgen_anon_4.ipv6_dst = *dst;
+    let flags = BPF_FIB_LOOKUP_SKIP_NEIGH | if want_src { BPF_FIB_LOOKUP_SRC } else { 0 };
+    let rc = unsafe { bpf_fib_lookup(ctx.skb.skb.cast(), &mut p, core::mem::size_of::<FibParams>() as i32, flags) };
+    if rc != 0 {
+        return None;
+    }
+    Some((p.ifindex, unsafe { p.__bindgen_anon_3.ipv6_src }))
+}
+
+/// IPv6 twin of `snat_new`. One key and one value are reused for all entries: separate
+/// 40-byte locals would not fit the IPv6 path into the 512-byte stack.
+#[inline(always)]
+fn snat_new6(ctx: &TcContext, f: &Flow6, fkey: &CtKey6, be: &Backend6, now: u64) -> i32 {
+    let Some((out_if, nat_addr)) = route6(ctx, ingress_ifindex(ctx), f.proto, &f.saddr, &be.addr, true) else {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    };
+    let start = unsafe { bpf_get_prandom_u32() };
+    // The port's reply entry: backend -> node address:port, pointing back at the client.
+    let mut key = CtKey6 { saddr: be.addr, daddr: nat_addr, sport: be.port, dport: 0, proto: f.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 };
+    let mut val = CtValue6 { addr: f.saddr, port: f.sport, flags: 0, _pad: 0, last_seen_ns: now };
+    let mut nat_port = 0u16;
+    for i in 0..SNAT_PORT_TRIES {
+        key.dport = (SNAT_PORT_MIN + (start.wrapping_add(i) % SNAT_PORT_COUNT as u32) as u16).to_be();
+        let taken = match unsafe { GN_CT6.get(&key) } {
+            None => GN_CT6.insert(&key, &val, BPF_NOEXIST as u64).is_ok(),
+            Some(v) if snat_port_free(v.flags, v.last_seen_ns, f.proto, now) => GN_CT6.insert(&key, &val, 0).is_ok(),
+            Some(_) => false,
+        };
+        if taken {
+            nat_port = key.dport;
+            break;
+        }
+    }
+    if nat_port == 0 {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    }
+    // Reply (backend -> client) back to the frontend.
+    key = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
+    val.addr = f.daddr;
+    val.port = f.dport;
+    let ok_reply = GN_CT6.insert(&key, &val, 0).is_ok();
+    // Forward source NAT (client -> backend) to the node address and port.
+    key = CtKey6 { saddr: f.saddr, daddr: be.addr, sport: f.sport, dport: be.port, proto: f.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+    val.addr = nat_addr;
+    val.port = nat_port;
+    let ok_fwd_snat = GN_CT6.insert(&key, &val, 0).is_ok();
+    // Forward (client -> frontend) to the backend, flagged as source-NATed.
+    val.addr = be.addr;
+    val.port = be.port;
+    val.flags = CT_FLAG_SNAT;
+    if !ok_reply || !ok_fwd_snat || GN_CT6.insert(fkey, &val, 0).is_err() {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    }
+    stat(Stat::TcCtCreated);
+    if nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, IP6_L4_OFF + 2).is_none()
+        || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, IP6_L4_OFF).is_none()
+    {
+        return DROP;
+    }
+    stat(Stat::TcDnat);
+    stat(Stat::TcSnat);
+    transmit(out_if)
+}
+
+/// IPv6 twin of `snat_established`.
+#[inline(always)]
+fn snat_established6(ctx: &TcContext, f: &Flow6, be_addr: &Ip6, be_port: u16, now: u64) -> i32 {
+    let skey = CtKey6 { saddr: f.saddr, daddr: *be_addr, sport: f.sport, dport: be_port, proto: f.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+    let Some(s) = GN_CT6.get_ptr_mut(&skey) else {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    };
+    let s = unsafe { &mut *s };
+    s.last_seen_ns = now;
+    let (nat_addr, nat_port) = (s.addr, s.port);
+    let mut skey = skey;
+    skey.saddr = *be_addr;
+    skey.daddr = nat_addr;
+    skey.sport = be_port;
+    skey.dport = nat_port;
+    skey.dir = CT_DIR_SNAT_REPLY;
+    if let Some(r) = GN_CT6.get_ptr_mut(&skey) {
+        let r = unsafe { &mut *r };
+        r.last_seen_ns = now;
+        snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
+    }
+    let Some((out_if, _)) = route6(ctx, ingress_ifindex(ctx), f.proto, &nat_addr, be_addr, false) else {
+        stat(Stat::TcSnatFailed);
+        return DROP;
+    };
+    if nat6(ctx, f, &f.daddr, be_addr, IP6_DST_OFF, f.dport, be_port, IP6_L4_OFF + 2).is_none()
+        || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, IP6_L4_OFF).is_none()
+    {
+        return DROP;
+    }
+    stat(Stat::TcDnat);
+    stat(Stat::TcSnat);
+    transmit(out_if)
+}
+
+/// IPv6 twin of `snat_reverse`.
+#[inline(always)]
+fn snat_reverse6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let r = GN_CT6.get_ptr_mut(&f.ct_key(CT_DIR_SNAT_REPLY))?;
+    let r = unsafe { &mut *r };
+    r.last_seen_ns = now;
+    snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
+    let (client, client_port) = (r.addr, r.port);
+    let rkey = CtKey6 { saddr: f.saddr, daddr: client, sport: f.sport, dport: client_port, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
+    let Some(fe) = GN_CT6.get_ptr_mut(&rkey) else {
+        stat(Stat::TcSnatFailed);
+        return Some(DROP);
+    };
+    let fe = unsafe { &mut *fe };
+    fe.last_seen_ns = now;
+    let (fe_addr, fe_port) = (fe.addr, fe.port);
+    let Some((out_if, _)) = route6(ctx, ingress_ifindex(ctx), f.proto, &fe_addr, &client, false) else {
+        stat(Stat::TcSnatFailed);
+        return Some(DROP);
+    };
+    if nat6(ctx, f, &f.daddr, &client, IP6_DST_OFF, f.dport, client_port, IP6_L4_OFF + 2).is_none()
+        || nat6(ctx, f, &f.saddr, &fe_addr, IP6_SRC_OFF, f.sport, fe_port, IP6_L4_OFF).is_none()
+    {
+        return Some(DROP);
+    }
+    stat(Stat::TcSnatRevNat);
+    Some(transmit(out_if))
 }
 
 /// Rewrites one address (at `addr_off`) and one port (at `port_off`) of an IPv6 packet.

@@ -11,7 +11,7 @@
 //! ```
 //! node3 reaches the client directly (c1/x0, like hosts on one flat underlay): without source
 //! NAT the pod's SYN-ACK would go that way, from an address the client never talked to, and
-//! the connection would fail.
+//! the connection would fail. IPv6 mirrors the plan: fd00:18:N::host for 198.18.N.host.
 use std::time::{Duration, Instant};
 
 use gardenet_tests::{
@@ -25,6 +25,9 @@ const CLIENT: &str = "198.18.5.2";
 const NODE_ADDR: &str = "198.18.5.1";
 const NODE_TO_NODE3: &str = "198.18.7.1";
 const POD: &str = "198.18.8.10";
+const NODE_ADDR6: &str = "fd00:18:5::1";
+const NODE_TO_NODE3_6: &str = "fd00:18:7::1";
+const POD6: &str = "fd00:18:8::10";
 
 struct World {
     // Drop order: server first, then namespaces.
@@ -42,24 +45,31 @@ fn world() -> World {
     let tag = unique_tag();
     let ns = |s: &str| Netns::new(&format!("{tag}-{s}")).unwrap();
     let (client, node, node3, pod) = (ns("cli"), ns("node"), ns("n3"), ns("pod"));
-    let veth = |a: &Netns, an: &str, aip: &str, b: &Netns, bn: &str, bip: &str| {
+    // (subnet N, host a, host b): 198.18.N.a/24 and fd00:18:N::a/64 (same digits) on each end.
+    let veth = |a: &Netns, an: &str, b: &Netns, bn: &str, (net, ha, hb): (u8, u8, u8)| {
         a.ip(&["link", "add", an, "type", "veth", "peer", "name", bn, "netns", &b.name]).unwrap();
-        a.ip(&["addr", "add", aip, "dev", an]).unwrap();
-        b.ip(&["addr", "add", bip, "dev", bn]).unwrap();
-        a.ip(&["link", "set", an, "up"]).unwrap();
-        b.ip(&["link", "set", bn, "up"]).unwrap();
+        for (ns, dev, h) in [(a, an, ha), (b, bn, hb)] {
+            ns.ip(&["addr", "add", &format!("198.18.{net}.{h}/24"), "dev", dev]).unwrap();
+            ns.ip(&["-6", "addr", "add", &format!("fd00:18:{net}::{h}/64"), "dev", dev, "nodad"]).unwrap();
+            ns.ip(&["link", "set", dev, "up"]).unwrap();
+        }
     };
-    veth(&client, "c0", "198.18.5.2/24", &node, "a0", "198.18.5.1/24");
-    veth(&client, "c1", "198.18.6.2/24", &node3, "x0", "198.18.6.1/24");
-    veth(&node, "a1", "198.18.7.1/24", &node3, "x1", "198.18.7.3/24");
-    veth(&node3, "x2", "198.18.8.1/24", &pod, "p0", "198.18.8.10/24");
+    veth(&client, "c0", &node, "a0", (5, 2, 1));
+    veth(&client, "c1", &node3, "x0", (6, 2, 1));
+    veth(&node, "a1", &node3, "x1", (7, 1, 3));
+    veth(&node3, "x2", &pod, "p0", (8, 1, 10));
     // No default routes anywhere: only the lab's own prefixes.
-    node.ip(&["route", "add", "198.18.8.0/24", "via", "198.18.7.3"]).unwrap();
-    node3.ip(&["route", "add", "198.18.5.0/24", "via", "198.18.6.2"]).unwrap();
-    client.ip(&["route", "add", "198.18.8.0/24", "via", "198.18.6.1"]).unwrap();
-    pod.ip(&["route", "add", "198.18.0.0/16", "via", "198.18.8.1"]).unwrap();
+    let route = |n: &Netns, v4: (&str, &str), v6: (&str, &str)| {
+        n.ip(&["route", "add", v4.0, "via", v4.1]).unwrap();
+        n.ip(&["-6", "route", "add", v6.0, "via", v6.1]).unwrap();
+    };
+    route(&node, ("198.18.8.0/24", "198.18.7.3"), ("fd00:18:8::/64", "fd00:18:7::3"));
+    route(&node3, ("198.18.5.0/24", "198.18.6.2"), ("fd00:18:5::/64", "fd00:18:6::2"));
+    route(&client, ("198.18.8.0/24", "198.18.6.1"), ("fd00:18:8::/64", "fd00:18:6::1"));
+    route(&pod, ("198.18.0.0/16", "198.18.8.1"), ("fd00:18::/32", "fd00:18:8::1"));
     for n in [&node, &node3] {
         n.sysctl("net.ipv4.ip_forward", "1").unwrap();
+        n.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();
         n.sysctl("net.ipv4.conf.all.rp_filter", "0").unwrap();
     }
     client.sysctl("net.ipv4.conf.all.rp_filter", "0").unwrap();
@@ -78,22 +88,48 @@ impl World {
 }
 
 fn manifests(pod_node: &str) -> Vec<(&'static str, String)> {
-    let node = format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}]\n");
-    let svc = "apiVersion: v1\nkind: Service\nmetadata: {name: np, namespace: lab}\nspec:\n  type: NodePort\n  clusterIP: 198.19.0.30\n  externalTrafficPolicy: Cluster\n  ports:\n  - {name: p-tcp, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n  - {name: p-udp, port: 80, targetPort: 8080, nodePort: 30080, protocol: UDP}\n".to_string();
-    let eps = format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: np-1, namespace: lab, labels: {{kubernetes.io/service-name: np}}}}\naddressType: IPv4\nports:\n  - {{name: p-tcp, port: 8080, protocol: TCP}}\n  - {{name: p-udp, port: 8080, protocol: UDP}}\nendpoints:\n  - addresses: [{POD}]\n    conditions: {{ready: true}}\n    nodeName: {pod_node}\n"
-    );
+    let node = format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}, {{type: InternalIP, address: \"{NODE_ADDR6}\"}}]\n");
+    let svc = "apiVersion: v1\nkind: Service\nmetadata: {name: np, namespace: lab}\nspec:\n  type: NodePort\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 198.19.0.30\n  clusterIPs: [198.19.0.30, \"fd00:19::30\"]\n  externalTrafficPolicy: Cluster\n  ports:\n  - {name: p-tcp, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n  - {name: p-udp, port: 80, targetPort: 8080, nodePort: 30080, protocol: UDP}\n".to_string();
+    let slice = |name: &str, family: &str, addr: &str| {
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, namespace: lab, labels: {{kubernetes.io/service-name: np}}}}\naddressType: {family}\nports:\n  - {{name: p-tcp, port: 8080, protocol: TCP}}\n  - {{name: p-udp, port: 8080, protocol: UDP}}\nendpoints:\n  - addresses: [\"{addr}\"]\n    conditions: {{ready: true}}\n    nodeName: {pod_node}\n"
+        )
+    };
+    let eps = format!("{}---\n{}", slice("np-1", "IPv4", POD), slice("np-v6", "IPv6", POD6));
     vec![("node.yaml", node), ("svc.yaml", svc), ("eps.yaml", eps)]
+}
+
+/// Connections through the NodePort at `np` ("ADDR:PORT" or "[ADDR6]:PORT") reach the remote
+/// pod, which sees them coming from `node_side` (the node's address toward node3).
+fn check_source_natted(w: &World, np: &str, node_side: &str) {
+    // TCP: every connection completes, and the pod sees the node's address, not the client's.
+    let v = w.netkit(&["tcp", "--to", np, "--count", "100"]);
+    assert_eq!(counts(&v), [("remote-pod".to_string(), 100)], "{v}");
+    let who = w.netkit(&["peername", "--to", np]);
+    assert_eq!(who["peer"], np, "{who}");
+    let seen = who["seen_as"].as_str().unwrap_or_default();
+    assert!(seen.starts_with(&format!("{node_side}:")), "the pod saw {seen}, want the node's address {node_side}: {who}");
+    let port: u16 = seen.rsplit(':').next().unwrap().parse().unwrap();
+    assert!((61_000..=65_535).contains(&port), "source-NAT port {port}");
+    // Data both ways over one source-NATed connection.
+    let b = w.netkit(&["bulk", "--to", np, "--bytes", &(4u64 << 20).to_string()]);
+    assert_eq!((&b["upload_backend"], &b["download_backend"]), (&"remote-pod".into(), &"remote-pod".into()), "{b}");
+    // UDP: answers come back from the NodePort.
+    let u = w.netkit(&["udp", "--to", np, "--count", "20", "--fresh-socket"]);
+    assert_eq!(u["counts"]["remote-pod"], 20, "{u}");
+    assert_eq!(u["sources"][np], 20, "{u}");
 }
 
 #[test]
 fn node_port_to_a_backend_on_another_node_is_source_natted() {
     let w = world();
     // The pod answers directly (and its replies to the client go the short way via node3).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while w.netkit(&["tcp", "--to", &format!("{POD}:8080"), "--count", "1", "--timeout-ms", "300"])["counts"]["remote-pod"] != 1 {
-        assert!(Instant::now() < deadline, "the pod does not answer directly");
-        std::thread::sleep(Duration::from_millis(100));
+    for to in [format!("{POD}:8080"), format!("[{POD6}]:8080")] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while w.netkit(&["tcp", "--to", &to, "--count", "1", "--timeout-ms", "300"])["counts"]["remote-pod"] != 1 {
+            assert!(Instant::now() < deadline, "the pod does not answer directly at {to}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     let opts = AgentOpts { extra: vec!["--tc-interface=a0,a1".into()], ..Default::default() };
@@ -105,22 +141,10 @@ fn node_port_to_a_backend_on_another_node_is_source_natted() {
     assert_eq!(fe["snat_remote"], true, "{fe}");
     assert_eq!(fe["backends"][0]["remote"], true, "{fe}");
 
-    // TCP: every connection completes, and the pod sees the node's address, not the client's.
-    let v = w.netkit(&["tcp", "--to", &np, "--count", "100"]);
-    assert_eq!(counts(&v), [("remote-pod".to_string(), 100)], "{v}");
-    let who = w.netkit(&["peername", "--to", &np]);
-    assert_eq!(who["peer"], np, "{who}");
-    let seen = who["seen_as"].as_str().unwrap_or_default();
-    assert!(seen.starts_with(&format!("{NODE_TO_NODE3}:")), "the pod saw {seen}, want the node's address: {who}");
-    let port: u16 = seen.rsplit(':').next().unwrap().parse().unwrap();
-    assert!((61_000..=65_535).contains(&port), "source-NAT port {port}");
-    // Data both ways over one source-NATed connection.
-    let b = w.netkit(&["bulk", "--to", &np, "--bytes", &(4u64 << 20).to_string()]);
-    assert_eq!((&b["upload_backend"], &b["download_backend"]), (&"remote-pod".into(), &"remote-pod".into()), "{b}");
-    // UDP: answers come back from the NodePort.
-    let u = w.netkit(&["udp", "--to", &np, "--count", "20", "--fresh-socket"]);
-    assert_eq!(u["counts"]["remote-pod"], 20, "{u}");
-    assert_eq!(u["sources"][&np], 20, "{u}");
+    check_source_natted(&w, &np, NODE_TO_NODE3);
+    let np6 = format!("[{NODE_ADDR6}]:30080");
+    agent.wait_backends(&format!("{np6}/tcp"), 1).unwrap();
+    check_source_natted(&w, &np6, &format!("[{NODE_TO_NODE3_6}]"));
 
     // The same endpoint on this node: no source NAT (the client address is kept), and it
     // fails here precisely because the reply takes the short way round.
@@ -130,8 +154,10 @@ fn node_port_to_a_backend_on_another_node_is_source_natted() {
         assert!(Instant::now() < deadline, "the endpoint did not move to this node");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let c = w.netkit(&["connect", "--to", &np, "--timeout-ms", "1000"]);
-    assert_ne!(c["outcome"], "Connected", "without source NAT the reply bypasses the node: {c}");
+    for to in [&np, &np6] {
+        let c = w.netkit(&["connect", "--to", to, "--timeout-ms", "1000"]);
+        assert_ne!(c["outcome"], "Connected", "without source NAT the reply bypasses the node: {c}");
+    }
     let log = agent.log.lock().unwrap().join("\n");
     assert!(!log.contains("panicked"), "{log}");
     agent.stop();
