@@ -253,6 +253,32 @@ fn transmit(ifindex: u32) -> i32 {
     unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 }
 }
 
+/// Redirected packets skip the stack's forwarding, so the TTL is decremented here (and a
+/// packet that would expire is not sent on).
+#[inline(always)]
+fn decrement_ttl(ctx: &TcContext) -> Option<()> {
+    const TTL_OFF: usize = ETH_HLEN + 8;
+    let old: u16 = ctx.load(TTL_OFF).ok()?; // TTL and protocol, as stored
+    let ttl: u8 = ctx.load(TTL_OFF).ok()?;
+    if ttl <= 1 {
+        return None;
+    }
+    ctx.store(TTL_OFF, &(ttl - 1), 0).ok()?;
+    let new: u16 = ctx.load(TTL_OFF).ok()?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2).ok()
+}
+
+/// IPv6 twin of `decrement_ttl` (no header checksum).
+#[inline(always)]
+fn decrement_hop_limit(ctx: &TcContext) -> Option<()> {
+    const HOP_OFF: usize = ETH_HLEN + 7;
+    let hops: u8 = ctx.load(HOP_OFF).ok()?;
+    if hops <= 1 {
+        return None;
+    }
+    ctx.store(HOP_OFF, &(hops - 1), 0).ok()
+}
+
 /// Whether a reserved source-NAT port (its reply entry's flags and last use) may be given to
 /// a new flow.
 #[inline(always)]
@@ -316,7 +342,7 @@ fn snat_new(ctx: &TcContext, f: &Flow, fkey: &CtKey4, be: &Backend4, now: u64) -
         return DROP;
     }
     stat(Stat::TcCtCreated);
-    if dnat(ctx, f, be.addr, be.port).is_none() || snat(ctx, f, nat_addr, nat_port).is_none() {
+    if decrement_ttl(ctx).is_none() || dnat(ctx, f, be.addr, be.port).is_none() || snat(ctx, f, nat_addr, nat_port).is_none() {
         return DROP;
     }
     stat(Stat::TcDnat);
@@ -345,7 +371,7 @@ fn snat_established(ctx: &TcContext, f: &Flow, be_addr: u32, be_port: u16, now: 
         stat(Stat::TcSnatFailed);
         return DROP;
     };
-    if dnat(ctx, f, be_addr, be_port).is_none() || snat(ctx, f, nat_addr, nat_port).is_none() {
+    if decrement_ttl(ctx).is_none() || dnat(ctx, f, be_addr, be_port).is_none() || snat(ctx, f, nat_addr, nat_port).is_none() {
         return DROP;
     }
     stat(Stat::TcDnat);
@@ -374,7 +400,7 @@ fn snat_reverse(ctx: &TcContext, f: &Flow) -> Option<i32> {
         stat(Stat::TcSnatFailed);
         return Some(DROP);
     };
-    if dnat(ctx, f, client, client_port).is_none() || snat(ctx, f, fe_addr, fe_port).is_none() {
+    if decrement_ttl(ctx).is_none() || dnat(ctx, f, client, client_port).is_none() || snat(ctx, f, fe_addr, fe_port).is_none() {
         return Some(DROP);
     }
     stat(Stat::TcSnatRevNat);
@@ -702,7 +728,8 @@ fn snat_new6(ctx: &TcContext, f: &Flow6, fkey: &CtKey6, be: &Backend6, now: u64)
         return DROP;
     }
     stat(Stat::TcCtCreated);
-    if nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, IP6_L4_OFF + 2).is_none()
+    if decrement_hop_limit(ctx).is_none()
+        || nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, IP6_L4_OFF + 2).is_none()
         || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, IP6_L4_OFF).is_none()
     {
         return DROP;
@@ -738,7 +765,8 @@ fn snat_established6(ctx: &TcContext, f: &Flow6, be_addr: &Ip6, be_port: u16, no
         stat(Stat::TcSnatFailed);
         return DROP;
     };
-    if nat6(ctx, f, &f.daddr, be_addr, IP6_DST_OFF, f.dport, be_port, IP6_L4_OFF + 2).is_none()
+    if decrement_hop_limit(ctx).is_none()
+        || nat6(ctx, f, &f.daddr, be_addr, IP6_DST_OFF, f.dport, be_port, IP6_L4_OFF + 2).is_none()
         || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, IP6_L4_OFF).is_none()
     {
         return DROP;
@@ -769,7 +797,8 @@ fn snat_reverse6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         stat(Stat::TcSnatFailed);
         return Some(DROP);
     };
-    if nat6(ctx, f, &f.daddr, &client, IP6_DST_OFF, f.dport, client_port, IP6_L4_OFF + 2).is_none()
+    if decrement_hop_limit(ctx).is_none()
+        || nat6(ctx, f, &f.daddr, &client, IP6_DST_OFF, f.dport, client_port, IP6_L4_OFF + 2).is_none()
         || nat6(ctx, f, &f.saddr, &fe_addr, IP6_SRC_OFF, f.sport, fe_port, IP6_L4_OFF).is_none()
     {
         return Some(DROP);

@@ -114,6 +114,12 @@ fn check_source_natted(w: &World, np: &str, node_side: &str) {
     // Data both ways over one source-NATed connection.
     let b = w.netkit(&["bulk", "--to", np, "--bytes", &(4u64 << 20).to_string()]);
     assert_eq!((&b["upload_backend"], &b["download_backend"]), (&"remote-pod".into(), &"remote-pod".into()), "{b}");
+    // Redirected packets skip the stack's forwarding, so the node decrements the TTL itself:
+    // client -> node -> node3 -> pod is two forwarding hops.
+    for (ttl, ok) in [("2", false), ("3", true)] {
+        let c = w.netkit(&["connect", "--to", np, "--timeout-ms", "1000", "--ttl", ttl]);
+        assert_eq!(c["outcome"] == "Connected", ok, "TTL {ttl}: {c}");
+    }
     // UDP: answers come back from the NodePort.
     let u = w.netkit(&["udp", "--to", np, "--count", "20", "--fresh-socket"]);
     assert_eq!(u["counts"]["remote-pod"], 20, "{u}");

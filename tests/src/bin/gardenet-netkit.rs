@@ -64,6 +64,9 @@ enum Cmd {
         to: SocketAddr,
         #[arg(long, default_value_t = 3000)]
         timeout_ms: u64,
+        /// IP TTL / IPv6 hop limit of the packets sent.
+        #[arg(long)]
+        ttl: Option<u32>,
     },
     /// Sends BYTES to a backend and receives BYTES back over one connection.
     Bulk {
@@ -98,7 +101,7 @@ fn main() -> Result<()> {
         Cmd::Tcp { to, count, timeout_ms, bind_port } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port),
         Cmd::Udp { to, count, timeout_ms, fresh_socket } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket),
         Cmd::Peername { to, udp } => peername(to, udp),
-        Cmd::Connect { to, timeout_ms } => connect(to, Duration::from_millis(timeout_ms)),
+        Cmd::Connect { to, timeout_ms, ttl } => connect(to, Duration::from_millis(timeout_ms), ttl),
         Cmd::Bulk { to, bytes, pace_ms } => bulk(to, bytes.min(1 << 30), pace_ms),
         Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
         Cmd::HttpGet { to, path } => http_get(to, &path),
@@ -313,9 +316,17 @@ fn peername(to: SocketAddr, udp: bool) -> Result<()> {
     Ok(())
 }
 
-fn connect(to: SocketAddr, timeout: Duration) -> Result<()> {
+fn connect(to: SocketAddr, timeout: Duration, ttl: Option<u32>) -> Result<()> {
+    let s = socket2::Socket::new(socket2::Domain::for_address(to), socket2::Type::STREAM, None)?;
+    if let Some(t) = ttl {
+        if to.is_ipv4() {
+            s.set_ttl_v4(t)?;
+        } else {
+            s.set_unicast_hops_v6(t)?;
+        }
+    }
     let t0 = Instant::now();
-    let r = TcpStream::connect_timeout(&to, timeout);
+    let r = s.connect_timeout(&to.into(), timeout);
     let ms = t0.elapsed().as_secs_f64() * 1000.0;
     let outcome = match &r {
         Ok(_) => "Connected".to_string(),
