@@ -1,5 +1,6 @@
 //! Kubernetes Events for Services gardenet cannot program as asked (bad addresses, ports out
-//! of range, conflicting frontends, full maps): `kubectl describe service` shows why.
+//! of range, conflicting frontends, full maps) and for EndpointSlices without a Service:
+//! `kubectl describe` shows why.
 use std::collections::HashSet;
 
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -8,7 +9,7 @@ use kube::{
     Client,
 };
 
-use crate::translate::Problem;
+use crate::translate::{Problem, ProblemObject};
 
 /// Publishes each distinct (Service, problem) once; publishing happens off the run loop so an
 /// unreachable API server never delays programming.
@@ -36,9 +37,13 @@ impl ProblemEvents {
             if self.seen.len() > MAX_SEEN {
                 self.seen.clear();
             }
+            let (api_version, kind) = match p.object {
+                ProblemObject::Service => ("v1", "Service"),
+                ProblemObject::EndpointSlice => ("discovery.k8s.io/v1", "EndpointSlice"),
+            };
             let reference = ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Service".into()),
+                api_version: Some(api_version.into()),
+                kind: Some(kind.into()),
                 namespace: Some(ns.to_owned()),
                 name: Some(name.to_owned()),
                 ..Default::default()

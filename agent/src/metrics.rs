@@ -334,10 +334,12 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::translate::ProblemObject;
     use crate::lbmap::Writes;
 
     fn problem(m: &str) -> Problem {
         Problem {
+            object: ProblemObject::Service,
             service: "d/a".into(),
             message: m.into(),
         }

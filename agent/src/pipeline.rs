@@ -11,7 +11,7 @@ use crate::{
     lbmap::{LbMaps, LbState, Writes},
     model::Frontend,
     source::SourceEvent,
-    translate::{self, NodeInfo, Problem},
+    translate::{self, NodeInfo, Problem, ProblemObject},
     view::{ServiceView, SliceView},
 };
 
@@ -50,6 +50,8 @@ pub struct Pipeline<M: LbMaps> {
     pruned: bool,
     resync: Option<(HashSet<String>, HashSet<String>)>,
     health: HashMap<String, translate::HealthCheck>,
+    /// Slices applied since the last flush: checked then for a Service to belong to.
+    applied_slices: BTreeSet<String>,
     pub stats: PipelineStats,
 }
 
@@ -71,6 +73,7 @@ impl<M: LbMaps> Pipeline<M> {
             pruned: false,
             resync: None,
             health: HashMap::new(),
+            applied_slices: BTreeSet::new(),
             stats: PipelineStats::default(),
         }
     }
@@ -125,6 +128,7 @@ impl<M: LbMaps> Pipeline<M> {
                     self.slices_by_svc.entry(svc.clone()).or_default().insert(k.clone());
                     self.dirty.insert(svc);
                 }
+                self.applied_slices.insert(k.clone());
                 self.slices.insert(k, sl);
             }
             SourceEvent::SliceDeleted(sl) => {
@@ -209,16 +213,33 @@ impl<M: LbMaps> Pipeline<M> {
                 }
             }
         }
+        self.check_applied_slices(&mut rep);
         for p in &rep.problems {
-            tracing::warn!(service = %p.service, "{}", p.message);
+            tracing::warn!(object = ?p.object, name = %p.service, "{}", p.message);
         }
         self.stats.writes += rep.writes;
         rep
     }
 
+    /// A slice nobody can use: no `kubernetes.io/service-name` label, or a Service of that name
+    /// does not exist. Checked only for slices that arrived since the last flush (and after
+    /// the first full sync), so a Service deleted just before its slices is not reported.
+    fn check_applied_slices(&mut self, rep: &mut FlushReport) {
+        for k in std::mem::take(&mut self.applied_slices) {
+            let Some(sl) = self.slices.get(&k) else { continue };
+            let message = match sl.service_key() {
+                None => format!("EndpointSlice {k} has no {} label; ignored", translate::SERVICE_NAME_LABEL),
+                Some(svc) if !self.services.contains_key(&svc) => format!("EndpointSlice {k} belongs to Service {svc}, which does not exist; ignored"),
+                Some(_) => continue,
+            };
+            self.stats.problems += 1;
+            rep.problems.push(Problem { object: ProblemObject::EndpointSlice, service: k, message });
+        }
+    }
+
     fn map_error(&mut self, rep: &mut FlushReport, svc: &str, message: String) {
         self.stats.map_errors += 1;
-        rep.problems.push(Problem { service: svc.to_owned(), message });
+        rep.problems.push(Problem { object: ProblemObject::Service, service: svc.to_owned(), message });
     }
 
     fn apply_service(&mut self, key: &str, rep: &mut FlushReport) {
@@ -260,14 +281,14 @@ impl<M: LbMaps> Pipeline<M> {
                     // always yields.
                     let theirs = self.services.get(&o).map(|s| s.rank());
                     if theirs.is_some() && theirs <= my_rank {
-                        rep.problems.push(Problem { service: key.into(), message: format!("frontend {fe} is already used by service {o} (older); not programmed") });
+                        rep.problems.push(Problem { object: ProblemObject::Service, service: key.into(), message: format!("frontend {fe} is already used by service {o} (older); not programmed") });
                         self.contenders.entry(*fe).or_default().insert(key.into());
                         continue;
                     }
                     // This Service is older: it takes the frontend over (the upsert below
                     // rewrites it in place) and the newer one waits as a contender.
                     if theirs.is_some() {
-                        rep.problems.push(Problem { service: o.clone(), message: format!("frontend {fe} is taken over by older service {key}; not programmed") });
+                        rep.problems.push(Problem { object: ProblemObject::Service, service: o.clone(), message: format!("frontend {fe} is taken over by older service {key}; not programmed") });
                     }
                     if let Some(set) = self.owned.get_mut(&o) {
                         set.remove(fe);
@@ -452,6 +473,30 @@ mod tests {
         let r = p2.flush();
         assert_eq!(r.writes.total(), 0, "{:?}", r.writes);
         assert_eq!(backends(&p2, "10.96.0.1:80"), ["10.0.0.1:8080"]);
+    }
+
+    #[test]
+    fn slices_without_a_service_are_reported_once() {
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-x", &["10.0.0.1"]))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("ghost", "ghost-x", &["10.0.0.2"]))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(slice("metadata: {name: loose, namespace: d}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.3]}]"))));
+        p.handle(SourceEvent::Synced);
+        let r = p.flush();
+        let msgs: Vec<(ProblemObject, &str, &str)> = r.problems.iter().map(|p| (p.object, p.service.as_str(), p.message.as_str())).collect();
+        assert_eq!(
+            msgs,
+            [
+                (ProblemObject::EndpointSlice, "d/ghost-x", "EndpointSlice d/ghost-x belongs to Service d/ghost, which does not exist; ignored"),
+                (ProblemObject::EndpointSlice, "d/loose", "EndpointSlice d/loose has no kubernetes.io/service-name label; ignored"),
+            ]
+        );
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080"], "the rest is programmed");
+        assert!(p.flush().problems.is_empty(), "reported when they arrive, not on every flush");
+        // Deleting a Service before its slices is the normal order of things: not reported.
+        p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.1", "a"))));
+        assert!(p.flush().problems.is_empty());
     }
 
     #[test]

@@ -18,12 +18,22 @@ pub struct NodeInfo {
     pub zone: Option<String>,
 }
 
-/// Why a Service (or part of it) was not programmed. Logged and counted; the rest of the
-/// Service and every other Service still get programmed.
+/// Why a Service (or part of it) was not programmed. Logged, counted and posted as an Event
+/// on the object; the rest of the Service and every other Service still get programmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {
+    /// What `service` names: a Service, or an EndpointSlice that cannot be used at all.
+    pub object: ProblemObject,
+    /// `namespace/name` of that object.
     pub service: String,
     pub message: String,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ProblemObject {
+    #[default]
+    Service,
+    EndpointSlice,
 }
 
 /// Result of translating one Service.
@@ -53,7 +63,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
         out.skipped = Some(why.clone());
         return out;
     }
-    let problem = |out: &mut Translated, m: String| out.problems.push(Problem { service: key.clone(), message: m });
+    let problem = |out: &mut Translated, m: String| out.problems.push(Problem { object: ProblemObject::Service, service: key.clone(), message: m });
     for m in &svc.problems {
         problem(&mut out, m.clone());
     }
@@ -112,7 +122,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
             if seen.insert(fe) {
                 out.frontends.push((fe, fs.clone()));
             } else {
-                out.problems.push(Problem { service: key.clone(), message: format!("frontend {fe} listed twice") });
+                out.problems.push(Problem { object: ProblemObject::Service, service: key.clone(), message: format!("frontend {fe} listed twice") });
             }
         };
         for vip in &svc.cluster_ips {
@@ -184,7 +194,7 @@ fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], node
             continue;
         };
         let Some(pn) = port.port.and_then(valid_port) else {
-            out.problems.push(Problem { service: key.into(), message: format!("EndpointSlice {} port {:?} has no valid number", slice.name, sp.name) });
+            out.problems.push(Problem { object: ProblemObject::Service, service: key.into(), message: format!("EndpointSlice {} port {:?} has no valid number", slice.name, sp.name) });
             continue;
         };
         cands.extend(slice.endpoints.iter().map(|ep| Candidate {
