@@ -9,6 +9,10 @@
 //!   interface and the first full sync is programmed; else 503 with the reasons, one a line.
 //! - `/metrics`: [`Metrics::encode`].
 //!
+//! [`serve_proxy_healthz`] is a separate server with kube-proxy's health check contract
+//! (port 10256): cloud load balancers probe it to learn whether a node can route Services
+//! (`externalTrafficPolicy: Cluster`), so a kube-proxy replacement must answer it.
+//!
 //! [`AgentState`] is shared (`Arc`) between the run loop (writer), the HTTP server and the
 //! Node status reporter (readers); readers that want to react to readiness changes
 //! [`subscribe`](AgentState::subscribe).
@@ -69,6 +73,8 @@ pub struct Readiness {
     pub synced: bool,
     /// When the last flush finished (informational, not a readiness condition).
     pub last_sync: Option<Instant>,
+    /// The same, as wall-clock time (reported by the kube-proxy-style health check).
+    pub last_sync_at: Option<std::time::SystemTime>,
     /// Dataplane prerequisites this node lacks (`gardener::capability::check`).
     pub missing: Vec<String>,
 }
@@ -123,6 +129,9 @@ pub struct AgentState {
     startup_grace: Duration,
     /// Bumped whenever the readiness verdict (or its reasons) changes.
     changes: watch::Sender<u64>,
+    /// The node may receive load-balancer traffic (not being deleted, not marked for removal
+    /// by the cluster autoscaler), as kube-proxy's health check reports it.
+    node_eligible: std::sync::atomic::AtomicBool,
 }
 
 impl Default for AgentState {
@@ -142,7 +151,16 @@ impl AgentState {
             liveness_timeout,
             startup_grace,
             changes: watch::channel(0).0,
+            node_eligible: std::sync::atomic::AtomicBool::new(true),
         }
+    }
+
+    pub fn set_node_eligible(&self, eligible: bool) {
+        self.node_eligible.store(eligible, Ordering::Relaxed);
+    }
+
+    pub fn node_eligible(&self) -> bool {
+        self.node_eligible.load(Ordering::Relaxed)
     }
 
     /// A copy of the current readiness parts.
@@ -205,6 +223,7 @@ impl AgentState {
         self.update(|r| {
             r.synced = synced;
             r.last_sync = Some(Instant::now());
+            r.last_sync_at = Some(std::time::SystemTime::now());
         });
     }
 
@@ -286,6 +305,68 @@ pub async fn serve_on(
             }
         });
     }
+}
+
+/// Serves kube-proxy's health check on a bound listener until the task is dropped:
+/// `/healthz` is 200 when the agent is alive and ready (programs loaded and attached, the
+/// first full sync programmed) *and* the node is eligible for load-balancer traffic, else
+/// 503; `/livez` ignores eligibility. The body is kube-proxy's JSON
+/// (`lastUpdated`, `currentTime`, `nodeEligible`).
+pub async fn serve_proxy_healthz(listener: TcpListener, state: Arc<AgentState>) -> anyhow::Result<()> {
+    loop {
+        let tcp = match listener.accept().await {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                tracing::warn!("proxy health endpoint: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let response = respond_proxy(&req, &state);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(tcp), service);
+            if let Err(e) = conn.await {
+                tracing::debug!("proxy health endpoint connection: {e}");
+            }
+        });
+    }
+}
+
+fn rfc3339(t: std::time::SystemTime) -> String {
+    k8s_openapi::jiff::Timestamp::try_from(t).map(|t| t.to_string()).unwrap_or_default()
+}
+
+fn respond_proxy(req: &Request<Incoming>, state: &AgentState) -> Response<Full<Bytes>> {
+    proxy_health(req.method(), req.uri().path(), state)
+}
+
+/// The kube-proxy health check's answer (separate from the HTTP plumbing for tests).
+fn proxy_health(method: &Method, path: &str, state: &AgentState) -> Response<Full<Bytes>> {
+    if method != Method::GET && method != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n".into());
+    }
+    let healthy = state.alive().is_ok() && state.ready().is_ok();
+    let eligible = state.node_eligible();
+    let ok = match path {
+        "/healthz" => healthy && eligible,
+        "/livez" => healthy,
+        _ => return text(StatusCode::NOT_FOUND, "not found: try /healthz or /livez\n".into()),
+    };
+    let last = state.snapshot().last_sync_at;
+    let body = serde_json::json!({
+        "lastUpdated": last.map(rfc3339).unwrap_or_default(),
+        "currentTime": rfc3339(std::time::SystemTime::now()),
+        "nodeEligible": eligible,
+    });
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    with_type(status, "application/json", body.to_string())
 }
 
 fn respond(
@@ -434,6 +515,36 @@ mod tests {
         state.set_synced(true); // a later flush: last_sync moves, the verdict does not
         assert!(!rx.has_changed().unwrap());
         assert!(state.snapshot().last_sync.is_some());
+    }
+
+    #[tokio::test]
+    async fn kube_proxy_style_health_check() {
+        let state = Arc::new(AgentState::default());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(serve_proxy_healthz(listener, state.clone()));
+        let json = |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap();
+
+        // Not synced yet: unhealthy (a cloud load balancer must not send traffic here).
+        state.beat();
+        let (code, body) = get(addr, "/healthz").await;
+        assert_eq!(code, 503, "{body}");
+        assert_eq!(json(&body)["lastUpdated"], "");
+        state.set_programs_loaded(true);
+        state.set_synced(true);
+        let (code, body) = get(addr, "/healthz").await;
+        assert_eq!(code, 200, "{body}");
+        let v = json(&body);
+        assert_eq!(v["nodeEligible"], true);
+        assert!(v["lastUpdated"].as_str().unwrap().ends_with('Z'), "{v}");
+        assert!(v["currentTime"].as_str().unwrap() >= v["lastUpdated"].as_str().unwrap(), "{v}");
+        // A node on its way out: /healthz fails (drains LB traffic), /livez does not.
+        state.set_node_eligible(false);
+        let (code, body) = get(addr, "/healthz").await;
+        assert_eq!((code, json(&body)["nodeEligible"].clone()), (503, false.into()));
+        assert_eq!(get(addr, "/livez").await.0, 200);
+        assert_eq!(get(addr, "/metrics").await.0, 404);
+        task.abort();
     }
 
     #[tokio::test]

@@ -97,6 +97,22 @@ pub struct RunArgs {
     pub status: status::StatusArgs,
 }
 
+/// The cluster autoscaler's taint on a node it is about to remove.
+const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// Whether load balancers should still send traffic to this node (kube-proxy's
+/// `nodeEligible`): not while it is being deleted or drained for removal.
+pub fn node_eligible(node: &k8s_openapi::api::core::v1::Node) -> bool {
+    let tainted = node.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    node.metadata.deletion_timestamp.is_none() && !tainted
+}
+
+fn note_node(state: &AgentState, ev: &SourceEvent) {
+    if let SourceEvent::NodeApplied(n) = ev {
+        state.set_node_eligible(node_eligible(n));
+    }
+}
+
 /// The state directory for a bpffs directory.
 pub fn default_state_dir(bpffs: &Path) -> PathBuf {
     PathBuf::from("/run/gardenet").join(bpffs.file_name().unwrap_or_default())
@@ -160,6 +176,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         endpoints.iter().for_each(|h| h.abort());
         return Ok(());
     }
+    // From here on gardenet is the Service proxy: answer kube-proxy's health check too
+    // (unhealthy until the dataplane is loaded and the first sync programmed).
+    let proxy_healthz = status::serve_proxy_healthz(&args.status, state.clone()).await;
     let sizes = MapSizes {
         services: args.map_services.unwrap_or(config.map_sizes.services),
         backends: args.map_backends.unwrap_or(config.map_sizes.backends),
@@ -242,8 +261,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let Some(ev) = ev else { break };
                 state.beat();
                 let t0 = Instant::now();
+                note_node(&state, &ev);
                 pipeline.handle(ev);
                 while let Ok(ev) = rx.try_recv() {
+                    note_node(&state, &ev);
                     pipeline.handle(ev);
                 }
                 let t_flush = Instant::now();
@@ -327,6 +348,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         reporting.stop().await;
     }
     endpoints.iter().for_each(|e| e.abort());
+    if let Some(h) = proxy_healthz {
+        h.abort();
+    }
     // Maps (and, without --detach-on-exit, links) stay pinned for the next run.
     Ok(())
 }
@@ -482,4 +506,18 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
         writeln!(out, "conntrack entries: {n}")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_on_their_way_out_are_not_eligible() {
+        let node = |yaml: &str| serde_yaml::from_str::<k8s_openapi::api::core::v1::Node>(yaml).unwrap();
+        assert!(node_eligible(&node("metadata: {name: n}")));
+        assert!(!node_eligible(&node("metadata: {name: n}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}")));
+        assert!(!node_eligible(&node("metadata: {name: n, deletionTimestamp: \"2026-01-01T00:00:00Z\"}")));
+        assert!(node_eligible(&node("metadata: {name: n}\nspec: {taints: [{key: other, effect: NoSchedule}]}")));
+    }
 }

@@ -347,7 +347,7 @@ impl Agent {
             cmd.arg("--tc-interface=nc0,nn0");
         }
         // Each test agent has its own namespace; keep the endpoints off fixed ports anyway.
-        cmd.args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"]);
+        cmd.args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "127.0.0.1:0"]);
         if !self.opts.keep_links {
             cmd.arg("--detach-on-exit");
         }

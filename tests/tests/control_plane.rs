@@ -195,15 +195,16 @@ fn client_ip_affinity_on_both_paths() {
 fn health_readiness_and_metrics_endpoints() {
     let _g = serial();
     let lab = Lab::new(3).unwrap();
-    let extra = ["--health-addr", "127.0.0.1:9878", "--metrics-addr", "127.0.0.1:9878"].map(String::from).to_vec();
+    let extra = ["--health-addr", "127.0.0.1:9878", "--metrics-addr", "127.0.0.1:9878", "--proxy-healthz-addr", "127.0.0.1:10256"].map(String::from).to_vec();
     let agent = Agent::start(&lab, AgentOpts { socket_lb: true, tc: true, extra, ..Default::default() }, &web()).unwrap();
     agent.wait_backends(&format!("{VIP}:80/tcp"), 3).unwrap();
-    let get = |path: &str| {
+    let get_from = |addr: &str, path: &str| {
         let mut cmd = lab.node.command(&lab.netkit, None).unwrap();
-        cmd.args(["http-get", "--to", "127.0.0.1:9878", "--path", path]);
+        cmd.args(["http-get", "--to", addr, "--path", path]);
         let out = cmd.output().unwrap();
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
+    let get = |path: &str| get_from("127.0.0.1:9878", path);
     assert_eq!(get("/healthz")["status"], 200);
     let mut r = serde_json::Value::Null;
     for _ in 0..50 {
@@ -214,6 +215,12 @@ fn health_readiness_and_metrics_endpoints() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(r["status"], 200, "ready after the first sync with every selected interface attached: {r}");
+    // kube-proxy's health check, as cloud load balancers probe it.
+    let h = get_from("127.0.0.1:10256", "/healthz");
+    assert_eq!(h["status"], 200, "{h}");
+    let body: serde_json::Value = serde_json::from_str(h["body"].as_str().unwrap()).unwrap();
+    assert_eq!(body["nodeEligible"], true, "{body}");
+    assert!(body["lastUpdated"].as_str().is_some_and(|t| !t.is_empty()), "{body}");
     // Some traffic, then the counters.
     lab.client_json(true, &["tcp", "--to", &format!("{VIP}:80"), "--count", "20"]).unwrap();
     std::thread::sleep(Duration::from_millis(700));

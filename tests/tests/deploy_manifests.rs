@@ -294,6 +294,7 @@ fn daemonset_properties() {
     };
     assert_eq!(port("health"), Some(9878));
     assert_eq!(port("metrics"), Some(9879));
+    assert_eq!(port("proxy-healthz"), Some(10256), "kube-proxy's health check port, as the agent's default");
     for (probe, path) in [
         (&agent.readiness_probe, "/readyz"),
         (&agent.liveness_probe, "/healthz"),

@@ -43,7 +43,7 @@ fn spawn_agent(lab: &Lab, kubeconfig: &std::path::Path, bpffs: &std::path::Path,
         .arg(format!("--bpffs={}", bpffs.display()))
         .arg(format!("--cgroup={}", lab.cgroup.path.display()))
         .arg(format!("--state-dir={}", dir.join("state").display()))
-        .args(["--interface-include", "^$", "--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
+        .args(["--interface-include", "^$", "--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "127.0.0.1:0"])
         .args(extra)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")

@@ -31,6 +31,10 @@ pub struct StatusArgs {
     /// Address of `/metrics`; may be the same as `--health-addr`.
     #[arg(long, default_value = "0.0.0.0:9879")]
     pub metrics_addr: SocketAddr,
+    /// Address of kube-proxy's health check (`/healthz`, `/livez`), which cloud load
+    /// balancers probe; served only while gardenet routes Services. `off` disables it.
+    #[arg(long, default_value = "0.0.0.0:10256", value_name = "ADDR|off")]
+    pub proxy_healthz_addr: OptionalAddr,
     /// The Gardener Network (`NAMESPACE/NAME`) whose status the elected agent maintains.
     /// Without it, agents only report their own Node's condition.
     #[arg(long, value_name = "NAMESPACE/NAME")]
@@ -44,6 +48,36 @@ pub struct StatusArgs {
     pub kube_proxy_enabled: bool,
     // `--config PATH` (the NetworkConfig file) is a `RunArgs` flag: the dataplane reads it
     // too. `Reporting::start` takes the loaded config.
+}
+
+/// A socket address, or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OptionalAddr(pub Option<SocketAddr>);
+
+impl std::str::FromStr for OptionalAddr {
+    type Err = std::net::AddrParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" | "" => Ok(OptionalAddr(None)),
+            _ => s.parse().map(|a| OptionalAddr(Some(a))),
+        }
+    }
+}
+
+/// Serves kube-proxy's health check on `--proxy-healthz-addr`. A taken port (kube-proxy still
+/// running?) is reported, not fatal: the Services are routed all the same.
+pub async fn serve_proxy_healthz(args: &StatusArgs, state: Arc<AgentState>) -> Option<JoinHandle<anyhow::Result<()>>> {
+    let addr = args.proxy_healthz_addr.0?;
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => {
+            tracing::info!("serving kube-proxy's health check (/healthz, /livez) on {addr}");
+            Some(tokio::spawn(health::serve_proxy_healthz(listener, state)))
+        }
+        Err(e) => {
+            tracing::warn!("not serving kube-proxy's health check on {addr}: {e} (is kube-proxy still running?)");
+            None
+        }
+    }
 }
 
 /// Serves `/healthz`, `/readyz` and `/metrics` on `--health-addr`, and on `--metrics-addr`
@@ -215,6 +249,7 @@ mod tests {
         let cli = Cli::try_parse_from(["x"]).unwrap();
         assert_eq!(cli.status.health_addr, "0.0.0.0:9878".parse().unwrap());
         assert_eq!(cli.status.metrics_addr, "0.0.0.0:9879".parse().unwrap());
+        assert_eq!(cli.status.proxy_healthz_addr, OptionalAddr(Some("0.0.0.0:10256".parse().unwrap())));
         assert!(cli.status.kube_proxy_enabled);
         assert_eq!(cli.status.network, None);
 

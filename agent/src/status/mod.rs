@@ -25,7 +25,7 @@ use std::{future::Future, time::Duration};
 use anyhow::anyhow;
 use tokio::sync::watch;
 
-pub use agent::{report_interfaces, serve_endpoints, Reporting, StatusArgs};
+pub use agent::{report_interfaces, serve_endpoints, serve_proxy_healthz, OptionalAddr, Reporting, StatusArgs};
 pub use lease::{Elector, Leadership, LeaseTiming};
 pub use network::{NetworkRef, NetworkReporter, NetworkReporterConfig};
 pub use node::{NodeReporter, NodeReporterConfig};

@@ -687,6 +687,7 @@ fn agent_process(bin: &Path, source: &[String], pin: &Path) -> Result<AgentRun> 
     let child = Command::new(bin)
         // --kube-proxy-enabled=false: the agent is the Service proxy here (else it stays passive).
         .args(["run", "--no-socket-lb", "--reset", "--detach-on-exit", "--poll-ms", "100", "--node-name", "node-000", "--kube-proxy-enabled=false"])
+        .args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "off"])
         .args(source)
         .env("NO_COLOR", "1")
         .arg("--bpffs")
