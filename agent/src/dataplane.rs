@@ -7,14 +7,17 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use aya::{
-    maps::{HashMap as BpfHashMap, Map, MapData, MapError as AyaMapError, PerCpuArray},
+    maps::{
+        lpm_trie::{Key as LpmKey, LpmTrie},
+        HashMap as BpfHashMap, Map, MapData, MapError as AyaMapError, PerCpuArray,
+    },
     programs::{CgroupSockAddr, SchedClassifier, TcAttachType, Xdp},
     Ebpf, EbpfLoader,
 };
 use gardenet_common::*;
 
 use crate::{
-    lbmap::{LbMaps, MapDump, MapError},
+    lbmap::{LbMaps, MapDump, MapError, RangeKey},
     pinned_link::{self, AttachType, Attached, Target},
 };
 
@@ -287,6 +290,8 @@ impl Dataplane {
         let services6 = self.ebpf.take_map(MAP_SERVICES6).context("no IPv6 services map")?;
         let backends6 = self.ebpf.take_map(MAP_BACKENDS6).context("no IPv6 backends map")?;
         let matches6 = self.ebpf.take_map(MAP_AFFINITY_MATCH6).context("no IPv6 affinity match map")?;
+        let ranges = self.ebpf.take_map(MAP_SOURCE_RANGES).context("no source-range map")?;
+        let ranges6 = self.ebpf.take_map(MAP_SOURCE_RANGES6).context("no IPv6 source-range map")?;
         Ok(AyaLbMaps {
             services: BpfHashMap::try_from(services)?,
             backends: BpfHashMap::try_from(backends)?,
@@ -294,6 +299,8 @@ impl Dataplane {
             services6: BpfHashMap::try_from(services6)?,
             backends6: BpfHashMap::try_from(backends6)?,
             matches6: BpfHashMap::try_from(matches6)?,
+            ranges: LpmTrie::try_from(ranges)?,
+            ranges6: LpmTrie::try_from(ranges6)?,
         })
     }
 
@@ -385,6 +392,8 @@ pub struct AyaLbMaps {
     services6: BpfHashMap<MapData, ServiceKey6, ServiceValue4>,
     backends6: BpfHashMap<MapData, u32, Backend6>,
     matches6: BpfHashMap<MapData, AffinityMatchKey6, u8>,
+    ranges: LpmTrie<MapData, SourceRange4, u8>,
+    ranges6: LpmTrie<MapData, SourceRange6, u8>,
 }
 
 impl AyaLbMaps {
@@ -392,8 +401,15 @@ impl AyaLbMaps {
         let mut d = dump_maps(&self.services, &self.backends);
         d.services6 = self.services6.iter().filter_map(|r| r.ok()).collect();
         d.backends6 = self.backends6.iter().filter_map(|r| r.ok()).collect();
+        d.ranges = dump_ranges(&self.ranges, &self.ranges6);
         d
     }
+}
+
+fn dump_ranges(r4: &LpmTrie<MapData, SourceRange4, u8>, r6: &LpmTrie<MapData, SourceRange6, u8>) -> Vec<RangeKey> {
+    let v4 = r4.keys().filter_map(|k| k.ok()).map(|k| RangeKey::V4(k.prefix_len(), k.data()));
+    let v6 = r6.keys().filter_map(|k| k.ok()).map(|k| RangeKey::V6(k.prefix_len(), k.data()));
+    v4.chain(v6).collect()
 }
 
 fn map_err(map: &'static str, op: String, e: AyaMapError) -> MapError {
@@ -449,6 +465,18 @@ impl LbMaps for AyaLbMaps {
     fn del_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
         ignore_missing(self.matches6.remove(key)).map_err(|e| map_err(MAP_AFFINITY_MATCH6, format!("delete {key:?}"), e))
     }
+    fn put_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
+        match key {
+            RangeKey::V4(len, d) => self.ranges.insert(&LpmKey::new(*len, *d), 1, 0).map_err(|e| map_err(MAP_SOURCE_RANGES, format!("put {key:?}"), e)),
+            RangeKey::V6(len, d) => self.ranges6.insert(&LpmKey::new(*len, *d), 1, 0).map_err(|e| map_err(MAP_SOURCE_RANGES6, format!("put {key:?}"), e)),
+        }
+    }
+    fn del_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
+        match key {
+            RangeKey::V4(len, d) => ignore_missing(self.ranges.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES, format!("delete {key:?}"), e)),
+            RangeKey::V6(len, d) => ignore_missing(self.ranges6.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES6, format!("delete {key:?}"), e)),
+        }
+    }
 }
 
 const MAP_SERVICES_NAME: &str = MAP_SERVICES;
@@ -481,6 +509,12 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
         let backends6: BpfHashMap<MapData, u32, Backend6> = BpfHashMap::try_from(open(MAP_BACKENDS6)?)?;
         d.services6 = services6.iter().filter_map(|r| r.ok()).collect();
         d.backends6 = backends6.iter().filter_map(|r| r.ok()).collect();
+    }
+    if pin_dir.join(MAP_SOURCE_RANGES).exists() && pin_dir.join(MAP_SOURCE_RANGES6).exists() {
+        let lpm = |name: &str| -> Result<Map> { Ok(Map::LpmTrie(MapData::from_pin(pin_dir.join(name))?)) };
+        let r4: LpmTrie<MapData, SourceRange4, u8> = LpmTrie::try_from(lpm(MAP_SOURCE_RANGES)?)?;
+        let r6: LpmTrie<MapData, SourceRange6, u8> = LpmTrie::try_from(lpm(MAP_SOURCE_RANGES6)?)?;
+        d.ranges = dump_ranges(&r4, &r6);
     }
     Ok(d)
 }

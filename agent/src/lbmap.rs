@@ -14,10 +14,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use gardenet_common::{
     ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, ServiceKey4, ServiceKey6, ServiceValue4,
-    BE_FLAG_REMOTE, SVC_FLAG_NONE, SVC_FLAG_SNAT_REMOTE,
+    BE_FLAG_REMOTE, SVC_FLAG_NONE, SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SourceRange4, SourceRange6, SOURCE_RANGE_FE_BITS4,
+    SOURCE_RANGE_FE_BITS6,
 };
 
-use crate::model::{Backend, Frontend, FrontendSpec, Proto};
+use crate::model::{Backend, Cidr, Frontend, FrontendSpec, Proto};
 
 /// Errors from the map backend (a full map, a vanished pin, ...).
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +59,48 @@ pub trait LbMaps {
     }
     fn del_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
         Err(no_v6(format!("delete {key:?}")))
+    }
+
+    /// `loadBalancerSourceRanges` entries (GN_SRCRANGE4/6).
+    fn put_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
+        Err(MapError::Other(format!("put {key:?}: this map backend has no source-range maps")))
+    }
+    fn del_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
+        Err(MapError::Other(format!("delete {key:?}: this map backend has no source-range maps")))
+    }
+}
+
+/// An entry of the source-range LPM tries: (prefix length, data), as the kernel keys it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RangeKey {
+    V4(u32, SourceRange4),
+    V6(u32, SourceRange6),
+}
+
+impl RangeKey {
+    /// The entry admitting `client` to `fe` (families must match; the caller filters).
+    pub fn of(fe: &Frontend, client: &Cidr) -> Option<RangeKey> {
+        match (svc_key(fe), client.addr) {
+            (SvcKey::V4(k), IpAddr::V4(c)) => Some(RangeKey::V4(
+                SOURCE_RANGE_FE_BITS4 + u32::from(client.len),
+                SourceRange4 { fe_addr: k.addr, fe_port: k.port, proto: k.proto, _pad: 0, client: u32::from(c).to_be() },
+            )),
+            (SvcKey::V6(k), IpAddr::V6(c)) => Some(RangeKey::V6(
+                SOURCE_RANGE_FE_BITS6 + u32::from(client.len),
+                SourceRange6 { fe_addr: k.addr, fe_port: k.port, proto: k.proto, _pad: 0, client: ip6_from_octets(c.octets()) },
+            )),
+            _ => None,
+        }
+    }
+
+    /// The frontend and client prefix of an entry read back from the maps.
+    pub fn decode(&self) -> Option<(Frontend, Cidr)> {
+        let (addr, port, proto, client, len): (IpAddr, u16, u8, IpAddr, u32) = match self {
+            RangeKey::V4(len, d) => (Ipv4Addr::from(u32::from_be(d.fe_addr)).into(), d.fe_port, d.proto, Ipv4Addr::from(u32::from_be(d.client)).into(), len.checked_sub(SOURCE_RANGE_FE_BITS4)?),
+            RangeKey::V6(len, d) => (Ipv6Addr::from(ip6_octets(d.fe_addr)).into(), d.fe_port, d.proto, Ipv6Addr::from(ip6_octets(d.client)).into(), len.checked_sub(SOURCE_RANGE_FE_BITS6)?),
+        };
+        let fe = Frontend { addr, port: u16::from_be(port), proto: Proto::from_number(proto)? };
+        Some((fe, Cidr::new(client, u8::try_from(len).ok()?)?))
     }
 }
 
@@ -110,6 +153,13 @@ impl SvcKey {
             SvcKey::V4(k) => maps.del_match(&match_key(k, id)),
             SvcKey::V6(k) => maps.del_match6(&match_key6(k, id)),
         }
+    }
+}
+
+/// Best-effort removal of source ranges written by a failed upsert.
+fn forget_ranges(maps: &mut impl LbMaps, keys: &[RangeKey]) {
+    for k in keys {
+        let _ = maps.del_range(k);
     }
 }
 
@@ -179,6 +229,9 @@ pub struct LbState {
     /// Id -> (backend, number of frontends using it).
     by_id: HashMap<u32, (BeKey, u32)>,
     next_id: u32,
+    /// Source ranges in the maps, by frontend (also ones whose master is gone: an upsert of
+    /// that frontend then removes what it does not want).
+    ranges: HashMap<Frontend, BTreeSet<Cidr>>,
 }
 
 /// `GN_SVC4` key of an IPv4 frontend (for an IPv6 one, use [`svc_key`]; this one then panics).
@@ -217,7 +270,14 @@ fn backend_flags(be: &Backend) -> u8 {
 
 /// The master entry's `SVC_FLAG_*` for a frontend spec.
 fn master_flags(spec: &FrontendSpec) -> u16 {
-    if spec.snat_remote { SVC_FLAG_SNAT_REMOTE } else { SVC_FLAG_NONE }
+    let mut f = SVC_FLAG_NONE;
+    if spec.snat_remote {
+        f |= SVC_FLAG_SNAT_REMOTE;
+    }
+    if !spec.source_ranges.is_empty() {
+        f |= SVC_FLAG_SOURCE_RANGES;
+    }
+    f
 }
 
 /// `GN_BE4` value of an IPv4 backend.
@@ -245,6 +305,7 @@ pub struct MapDump {
     pub backends: Vec<(u32, Backend4)>,
     pub services6: Vec<(ServiceKey6, ServiceValue4)>,
     pub backends6: Vec<(u32, Backend6)>,
+    pub ranges: Vec<RangeKey>,
 }
 
 /// A frontend's identity in the maps, either family (addr as IpAddr, port host order).
@@ -301,6 +362,9 @@ pub struct DumpedFrontend {
     /// External traffic to remote backends is source-NATed (`SVC_FLAG_SNAT_REMOTE`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub snat_remote: bool,
+    /// `loadBalancerSourceRanges` in force (the master's flag is set and these are in the trie).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub source_ranges: Vec<Cidr>,
     /// Slots whose backend id is missing from the backend map (should never happen).
     pub dangling_slots: u32,
 }
@@ -309,6 +373,7 @@ impl MapDump {
     /// Groups the raw entries per frontend, in frontend order (IPv4 first).
     pub fn frontends(&self) -> Vec<DumpedFrontend> {
         let flat = Flat::of(self);
+        let ranges = self.ranges_by_frontend();
         let mut out = Vec::new();
         for (id, m) in &flat.masters {
             let (addr, port, proto) = *id;
@@ -323,7 +388,24 @@ impl MapDump {
                     None => dangling += 1,
                 }
             }
-            out.push(DumpedFrontend { frontend, backends, affinity_timeout: m.affinity_timeout, snat_remote: m.flags & SVC_FLAG_SNAT_REMOTE != 0, dangling_slots: dangling });
+            let source_ranges = if m.flags & SVC_FLAG_SOURCE_RANGES != 0 { ranges.get(&frontend).map(|r| r.iter().copied().collect()).unwrap_or_default() } else { Vec::new() };
+            out.push(DumpedFrontend {
+                frontend,
+                backends,
+                affinity_timeout: m.affinity_timeout,
+                snat_remote: m.flags & SVC_FLAG_SNAT_REMOTE != 0,
+                source_ranges,
+                dangling_slots: dangling,
+            });
+        }
+        out
+    }
+
+    /// The source-range entries, by frontend.
+    pub fn ranges_by_frontend(&self) -> HashMap<Frontend, BTreeSet<Cidr>> {
+        let mut out: HashMap<Frontend, BTreeSet<Cidr>> = HashMap::new();
+        for (fe, c) in self.ranges.iter().filter_map(RangeKey::decode) {
+            out.entry(fe).or_default().insert(c);
         }
         out
     }
@@ -367,6 +449,7 @@ impl LbState {
             }
             st.frontends.insert(fe, Programmed { slots: ids, affinity_timeout: v.affinity_timeout, flags: v.flags });
         }
+        st.ranges = dump.ranges_by_frontend();
         st
     }
 
@@ -423,9 +506,24 @@ impl LbState {
         }
         let old = self.frontends.get(fe).cloned();
         if let Some(o) = &old {
-            if o.affinity_timeout == spec.affinity_timeout && o.flags == master_flags(spec) && self.same_backends(o, &wanted, fe.proto) {
+            if o.affinity_timeout == spec.affinity_timeout && o.flags == master_flags(spec) && self.same_backends(o, &wanted, fe.proto) && self.same_ranges(fe, spec) {
                 return Ok(w);
             }
+        }
+
+        // 0. Source ranges the frontend does not have yet: in the trie before the master's
+        //    flag (or the next step) makes the datapath consult them.
+        let old_ranges = self.ranges.get(fe).cloned().unwrap_or_default();
+        let new_ranges: BTreeSet<Cidr> = spec.source_ranges.iter().copied().filter(|c| c.addr.is_ipv4() == fe.addr.is_ipv4()).collect();
+        let mut ranges_put: Vec<RangeKey> = Vec::new();
+        for c in new_ranges.difference(&old_ranges) {
+            let Some(k) = RangeKey::of(fe, c) else { continue };
+            if let Err(e) = maps.put_range(&k) {
+                forget_ranges(maps, &ranges_put);
+                return Err(e);
+            }
+            w.puts += 1;
+            ranges_put.push(k);
         }
 
         // 1. Backends that do not exist yet.
@@ -440,6 +538,7 @@ impl LbState {
             let id = self.alloc_id();
             if let Err(e) = put_be(maps, id, b, fe.proto) {
                 self.forget_created(maps, created);
+                forget_ranges(maps, &ranges_put);
                 return Err(e);
             }
             w.puts += 1;
@@ -464,6 +563,7 @@ impl LbState {
             if let Err(e) = key.with_slot(slot).put(maps, &val) {
                 self.rollback_slots(maps, &key, &old_slots, &written);
                 self.forget_created(maps, created);
+                forget_ranges(maps, &ranges_put);
                 return Err(e);
             }
             w.puts += 1;
@@ -480,6 +580,7 @@ impl LbState {
                 if let Err(e) = key.put_match(maps, *id) {
                     self.rollback_slots(maps, &key, &old_slots, &written);
                     self.forget_created(maps, created);
+                    forget_ranges(maps, &ranges_put);
                     return Err(e);
                 }
                 w.puts += 1;
@@ -496,6 +597,7 @@ impl LbState {
         if let Err(e) = key.put(maps, &master) {
             self.rollback_slots(maps, &key, &old_slots, &written);
             self.forget_created(maps, created);
+            forget_ranges(maps, &ranges_put);
             return Err(e);
         }
         w.puts += 1;
@@ -522,8 +624,32 @@ impl LbState {
             }
         }
         w.deletes += self.release(maps, &old_slots);
+        // Ranges the frontend no longer has: after the master (a client they admitted may be
+        // admitted a moment longer, never one refused that should not be).
+        let mut kept = new_ranges;
+        for c in old_ranges.difference(&kept.clone()) {
+            match RangeKey::of(fe, c).map(|k| maps.del_range(&k)) {
+                Some(Err(e)) => {
+                    tracing::warn!("{fe}: deleting source range {c}: {e}");
+                    kept.insert(*c); // still in the map: try again next time
+                }
+                Some(Ok(())) => w.deletes += 1,
+                None => {}
+            }
+        }
+        if kept.is_empty() {
+            self.ranges.remove(fe);
+        } else {
+            self.ranges.insert(*fe, kept);
+        }
         self.frontends.insert(*fe, Programmed { slots: new_slots, affinity_timeout: spec.affinity_timeout, flags: master_flags(spec) });
         Ok(w)
+    }
+
+    fn same_ranges(&self, fe: &Frontend, spec: &FrontendSpec) -> bool {
+        let have = self.ranges.get(fe);
+        let want: BTreeSet<Cidr> = spec.source_ranges.iter().copied().filter(|c| c.addr.is_ipv4() == fe.addr.is_ipv4()).collect();
+        have.map_or(want.is_empty(), |h| *h == want)
     }
 
     /// Removes `fe`: master first (no new selections), then its slots and orphaned backends.
@@ -549,6 +675,13 @@ impl LbState {
             }
         }
         w.deletes += self.release(maps, &old.slots);
+        for c in self.ranges.remove(fe).unwrap_or_default() {
+            match RangeKey::of(fe, &c).map(|k| maps.del_range(&k)) {
+                Some(Err(e)) => tracing::warn!("{fe}: deleting source range {c}: {e}"),
+                Some(Ok(())) => w.deletes += 1,
+                None => {}
+            }
+        }
         Ok(w)
     }
 
@@ -639,6 +772,7 @@ pub struct MemMaps {
     pub services6: HashMap<ServiceKey6, ServiceValue4>,
     pub backends6: HashMap<u32, Backend6>,
     pub matches6: BTreeSet<AffinityMatchKey6>,
+    pub ranges: BTreeSet<RangeKey>,
     pub max_services: Option<usize>,
     pub max_backends: Option<usize>,
     pub check_invariant: bool,
@@ -656,6 +790,7 @@ impl MemMaps {
             backends: self.backends.iter().map(|(k, v)| (*k, *v)).collect(),
             services6: self.services6.iter().map(|(k, v)| (*k, *v)).collect(),
             backends6: self.backends6.iter().map(|(k, v)| (*k, *v)).collect(),
+            ranges: self.ranges.iter().copied().collect(),
         }
     }
 
@@ -692,6 +827,18 @@ impl MemMaps {
         for k in &self.matches6 {
             if !self.backends6.contains_key(&k.backend_id) {
                 v.push(format!("affinity match {k:?} -> missing IPv6 backend {}", k.backend_id));
+            }
+        }
+        // A master that restricts sources must find its ranges (else it refuses everyone).
+        let with_ranges: BTreeSet<Frontend> = self.ranges.iter().filter_map(|k| k.decode()).map(|(fe, _)| fe).collect();
+        let d = self.dump();
+        for f in d.frontends().iter().filter(|f| f.source_ranges.is_empty()) {
+            let flagged = match svc_key(&f.frontend) {
+                SvcKey::V4(k) => self.services.get(&k).is_some_and(|m| m.flags & SVC_FLAG_SOURCE_RANGES != 0),
+                SvcKey::V6(k) => self.services6.get(&k).is_some_and(|m| m.flags & SVC_FLAG_SOURCE_RANGES != 0),
+            };
+            if flagged && !with_ranges.contains(&f.frontend) {
+                v.push(format!("{}: restricts sources but has no source ranges", f.frontend));
             }
         }
         v
@@ -776,6 +923,16 @@ impl LbMaps for MemMaps {
     }
     fn del_match6(&mut self, k: &AffinityMatchKey6) -> Result<(), MapError> {
         self.matches6.remove(k);
+        self.after_write();
+        Ok(())
+    }
+    fn put_range(&mut self, k: &RangeKey) -> Result<(), MapError> {
+        self.ranges.insert(*k);
+        self.after_write();
+        Ok(())
+    }
+    fn del_range(&mut self, k: &RangeKey) -> Result<(), MapError> {
+        self.ranges.remove(k);
         self.after_write();
         Ok(())
     }
@@ -947,6 +1104,46 @@ mod tests {
         let w = adopted.upsert(&mut m, &fe(80), &FrontendSpec { backends: vec![be(1), be(2)], ..Default::default() }).unwrap();
         assert!(w.total() >= 3, "{w:?}");
         assert!(m.backends.values().all(|b| b.flags == 0));
+    }
+
+    #[test]
+    fn source_ranges_are_in_place_before_the_master_restricts_and_gone_after() {
+        // MemMaps::checked() asserts after every write that a restricting master has ranges.
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let cidrs = |v: &[&str]| v.iter().map(|c| c.parse().unwrap()).collect::<Vec<Cidr>>();
+        let with = |r: &[&str]| FrontendSpec { source_ranges: cidrs(r), ..spec(&[1, 2]) };
+        st.upsert(&mut m, &fe(80), &spec(&[1, 2])).unwrap();
+        let w = st.upsert(&mut m, &fe(80), &with(&["198.51.100.0/24", "10.0.0.0/8"])).unwrap();
+        assert_eq!(w, Writes { puts: 3, deletes: 0 }, "two ranges, then the master");
+        assert_eq!(m.services[&service_key(&fe(80))].flags, SVC_FLAG_SOURCE_RANGES);
+        let d = m.dump().frontends();
+        assert_eq!(d[0].source_ranges, cidrs(&["10.0.0.0/8", "198.51.100.0/24"]));
+        // One range replaced: put it, rewrite the master, delete the old one.
+        let w = st.upsert(&mut m, &fe(80), &with(&["198.51.100.0/24", "192.0.2.0/24"])).unwrap();
+        assert_eq!((w.puts, w.deletes), (2, 1), "{w:?}");
+        // A restart adopts them: nothing to write.
+        let mut adopted = LbState::adopt(&m.dump());
+        assert_eq!(adopted.upsert(&mut m, &fe(80), &with(&["198.51.100.0/24", "192.0.2.0/24"])).unwrap().total(), 0);
+        // Restriction lifted: master first, then the ranges go.
+        adopted.upsert(&mut m, &fe(80), &spec(&[1, 2])).unwrap();
+        assert!(m.ranges.is_empty());
+        assert_eq!(m.services[&service_key(&fe(80))].flags, SVC_FLAG_NONE);
+        // Deleting a restricted frontend removes its ranges too.
+        adopted.upsert(&mut m, &fe(81), &FrontendSpec { source_ranges: cidrs(&["10.0.0.0/8"]), ..spec(&[3]) }).unwrap();
+        adopted.delete(&mut m, &fe(81)).unwrap();
+        assert!(m.ranges.is_empty());
+    }
+
+    #[test]
+    fn source_ranges_left_without_a_master_are_cleaned_up_by_the_next_upsert() {
+        let mut m = MemMaps::checked();
+        let stray: Cidr = "203.0.113.0/24".parse().unwrap();
+        m.ranges.insert(RangeKey::of(&fe(80), &stray).unwrap());
+        let mut st = LbState::adopt(&m.dump());
+        st.upsert(&mut m, &fe(80), &FrontendSpec { source_ranges: vec!["10.0.0.0/8".parse().unwrap()], ..spec(&[1]) }).unwrap();
+        let left: Vec<String> = m.dump().ranges_by_frontend()[&fe(80)].iter().map(|c| c.to_string()).collect();
+        assert_eq!(left, ["10.0.0.0/8"], "the stray range must not admit anyone");
     }
 
     #[test]

@@ -115,6 +115,47 @@ impl FromStr for Backend {
     }
 }
 
+/// A client prefix of `loadBalancerSourceRanges`, host bits cleared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl Cidr {
+    /// `addr/len` with the bits beyond `len` cleared; `None` if `len` is too long.
+    pub fn new(addr: IpAddr, len: u8) -> Option<Self> {
+        let addr = match addr {
+            IpAddr::V4(a) if len <= 32 => IpAddr::V4((u32::from(a) & u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0)).into()),
+            IpAddr::V6(a) if len <= 128 => IpAddr::V6((u128::from(a) & u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0)).into()),
+            _ => return None,
+        };
+        Some(Cidr { addr, len })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+/// Parses `ADDR/LEN` (as `net.ParseCIDR`: host bits are dropped); a bare address is a /32
+/// or /128.
+impl FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, l) = s.trim().split_once('/').map_or((s.trim(), None), |(a, l)| (a, Some(l)));
+        let addr: IpAddr = a.parse().map_err(|_| format!("{s:?} is not a CIDR"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = match l {
+            Some(l) => l.parse::<u8>().ok().filter(|l| *l <= max).ok_or_else(|| format!("{s:?}: prefix length must be 0-{max}"))?,
+            None => max,
+        };
+        Cidr::new(addr, len).ok_or_else(|| format!("{s:?} is not a CIDR"))
+    }
+}
+
 /// What one frontend should do.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FrontendSpec {
@@ -126,6 +167,10 @@ pub struct FrontendSpec {
     /// `externalTrafficPolicy: Cluster` Services), so their replies come back through here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub snat_remote: bool,
+    /// `loadBalancerSourceRanges` of a load-balancer frontend (its family only): TC LB admits
+    /// new flows only from these. Empty: from anywhere.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub source_ranges: Vec<Cidr>,
 }
 
 /// The whole desired state.
@@ -134,6 +179,17 @@ pub type Desired = BTreeMap<Frontend, FrontendSpec>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cidrs_parse_like_parse_cidr() {
+        let c: Cidr = "198.51.100.77/24".parse().unwrap();
+        assert_eq!(c.to_string(), "198.51.100.0/24");
+        assert_eq!("10.0.0.1".parse::<Cidr>().unwrap().to_string(), "10.0.0.1/32");
+        assert_eq!("0.0.0.0/0".parse::<Cidr>().unwrap().len, 0);
+        assert_eq!("2001:db8::1/32".parse::<Cidr>().unwrap().to_string(), "2001:db8::/32");
+        assert!("10.0.0.0/33".parse::<Cidr>().is_err());
+        assert!("nonsense/8".parse::<Cidr>().is_err());
+    }
 
     #[test]
     fn frontends_of_both_families_parse_and_print() {

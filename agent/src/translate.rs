@@ -95,7 +95,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
         let cands = endpoints_for(sp, proto, slices, node, &mut out, &key);
         // Per family: [IPv4, IPv6] x (internal, external). A frontend only gets backends of
         // its own family (no NAT46/64).
-        let mut specs: Vec<(FrontendSpec, FrontendSpec)> = Vec::with_capacity(2);
+        let mut specs: Vec<(FrontendSpec, FrontendSpec, FrontendSpec)> = Vec::with_capacity(2);
         for v4 in [true, false] {
             let fam: Vec<&Candidate> = cands.iter().filter(|c| c.backend.addr.is_ipv4() == v4).collect();
             let local = pick(fam.iter().copied().filter(|c| c.node.is_some_and(|n| n == node.name) && !node.name.is_empty()));
@@ -110,12 +110,14 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
                 }
                 _ => pick(fam.iter().copied()),
             };
-            let internal = FrontendSpec { backends: if svc.internal_local { local.clone() } else { cluster.clone() }, affinity_timeout, snat_remote: false };
+            let internal = FrontendSpec { backends: if svc.internal_local { local.clone() } else { cluster.clone() }, affinity_timeout, ..Default::default() };
             // External clients of a Cluster-policy Service may land on another node's
             // endpoint, whose reply must come back through here: source NAT (kube-proxy
             // masquerades). Local policy keeps the client address and has no remote ones.
-            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout, snat_remote: !svc.external_local };
-            specs.push((internal, externl));
+            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout, snat_remote: !svc.external_local, ..Default::default() };
+            // Load-balancer IPs also admit only the Service's source ranges (of their family).
+            let lb = FrontendSpec { source_ranges: svc.source_ranges.iter().filter(|c| c.addr.is_ipv4() == v4).copied().collect(), ..externl.clone() };
+            specs.push((internal, externl, lb));
         }
         let fam_idx = |a: &IpAddr| if a.is_ipv4() { 0 } else { 1 };
         let mut add = |out: &mut Translated, fe: Frontend, fs: &FrontendSpec| {
@@ -130,6 +132,9 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
         }
         for vip in &svc.external_ips {
             add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].1);
+        }
+        for vip in &svc.lb_ips {
+            add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].2);
         }
         if svc.node_ports {
             match sp.node_port.map(|p| (p, valid_port(p))) {
@@ -495,6 +500,21 @@ spec:
         // Without a node name of our own nothing counts as remote.
         let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &NodeInfo { name: String::new(), ..node() });
         assert!(t.frontends.iter().flat_map(|(_, s)| &s.backends).all(|b| !b.remote));
+    }
+
+    #[test]
+    fn load_balancer_source_ranges_apply_to_load_balancer_ips_only() {
+        let s = DUAL_SVC.replace("  ports:\n", "  loadBalancerSourceRanges: [198.51.100.0/24, \"2001:db8:77::/48\", 10.1.2.3/8, bogus]\n  ports:\n");
+        let t = translate(&svc(&s), &[&slice(SLICE), &slice(SLICE6)], &dual_node());
+        let ranges = |fe_s: &str| -> Vec<String> {
+            t.frontends.iter().find(|(f, _)| f.to_string() == fe_s).unwrap().1.source_ranges.iter().map(|c| c.to_string()).collect()
+        };
+        assert_eq!(ranges("203.0.113.5:80/tcp"), ["10.0.0.0/8", "198.51.100.0/24"], "family's own, host bits cleared");
+        assert_eq!(ranges("[2001:db8::5]:80/tcp"), ["2001:db8:77::/48"]);
+        for other in ["10.96.0.10:80/tcp", "198.51.100.7:80/tcp", "192.0.2.10:30080/tcp"] {
+            assert!(ranges(other).is_empty(), "{other}: ClusterIP, externalIPs and NodePorts are not restricted");
+        }
+        assert!(t.problems.iter().any(|p| p.message.contains("bogus")), "{:?}", t.problems);
     }
 
     #[test]

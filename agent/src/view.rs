@@ -9,7 +9,7 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
-use crate::model::Proto;
+use crate::model::{Cidr, Proto};
 
 /// Label that hands a Service to a specific proxy; gardenet only takes unlabelled ones
 /// (or the ones labelled with its own name).
@@ -40,8 +40,12 @@ pub struct ServiceView {
     pub families: Vec<bool>,
     /// Cluster IPs of the served families.
     pub cluster_ips: Vec<IpAddr>,
-    /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip` of the served families.
+    /// `spec.externalIPs` of the served families.
     pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` of the served families.
+    pub lb_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges` (applied to `lb_ips`); empty: no restriction.
+    pub source_ranges: Vec<Cidr>,
     pub ports: Vec<PortView>,
     /// `NodePort` or `LoadBalancer`.
     pub node_ports: bool,
@@ -184,18 +188,18 @@ impl From<&Service> for ServiceView {
             v.families = vips.iter().map(IpAddr::is_ipv4).collect();
         }
         for a in vips {
-            v.keep("clusterIP", a, false);
+            v.keep("clusterIP", a, Dest::Cluster);
         }
         for ip in spec.external_ips.iter().flatten() {
             match ip.parse::<IpAddr>() {
-                Ok(a) => v.keep("externalIP", a, true),
+                Ok(a) => v.keep("externalIP", a, Dest::External),
                 Err(_) => v.problems.push(format!("externalIP {ip:?} is not an IP address")),
             }
         }
         let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
         for ip in ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()) {
             match ip.parse::<IpAddr>() {
-                Ok(a) => v.keep("loadBalancer ingress", a, true),
+                Ok(a) => v.keep("loadBalancer ingress", a, Dest::LoadBalancer),
                 Err(_) => v.problems.push(format!("loadBalancer ingress {ip:?} is not an IP address")),
             }
         }
@@ -231,6 +235,16 @@ impl From<&Service> for ServiceView {
             .and_then(|a| a.get(TOPOLOGY_MODE).or_else(|| a.get(TOPOLOGY_HINTS_OLD)))
             .is_some_and(|m| m.eq_ignore_ascii_case("auto"));
         v.health_check_node_port = spec.health_check_node_port;
+        for r in spec.load_balancer_source_ranges.iter().flatten() {
+            match r.parse::<Cidr>() {
+                Ok(c) => v.source_ranges.push(c),
+                // kube-proxy ignores what does not parse; an empty result would open the
+                // Service to everyone, so a range that does not parse is also reported.
+                Err(e) => v.problems.push(format!("loadBalancerSourceRanges: {e} (ignored)")),
+            }
+        }
+        v.source_ranges.sort();
+        v.source_ranges.dedup();
         v
     }
 }
@@ -241,15 +255,24 @@ impl ServiceView {
         self.families.is_empty() || self.families.contains(&a.is_ipv4())
     }
 
-    fn keep(&mut self, what: &str, a: IpAddr, external: bool) {
+    fn keep(&mut self, what: &str, a: IpAddr, dest: Dest) {
         if !self.serves(&a) {
             self.problems.push(format!("{what} {a}: {} is not in the Service's ipFamilies (skipped)", family_name(a.is_ipv4())));
-        } else if external {
-            self.external_ips.push(a);
-        } else {
-            self.cluster_ips.push(a);
+            return;
+        }
+        match dest {
+            Dest::Cluster => self.cluster_ips.push(a),
+            Dest::External => self.external_ips.push(a),
+            Dest::LoadBalancer => self.lb_ips.push(a),
         }
     }
+}
+
+/// Which list of a `ServiceView` an address goes to.
+enum Dest {
+    Cluster,
+    External,
+    LoadBalancer,
 }
 
 impl SliceView {

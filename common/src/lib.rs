@@ -28,6 +28,8 @@ pub const MAP_SOCK_REVNAT6: &str = "GN_SK_RNAT6";
 pub const MAP_CT6: &str = "GN_CT6";
 pub const MAP_AFFINITY6: &str = "GN_AFF6";
 pub const MAP_AFFINITY_MATCH6: &str = "GN_AFFMATCH6";
+pub const MAP_SOURCE_RANGES: &str = "GN_SRCRANGE4";
+pub const MAP_SOURCE_RANGES6: &str = "GN_SRCRANGE6";
 
 /// Default map sizes; the agent can override them at load time.
 pub const DEFAULT_SERVICES_MAX: u32 = 262_144;
@@ -36,6 +38,8 @@ pub const DEFAULT_SOCK_REVNAT_MAX: u32 = 262_144;
 pub const DEFAULT_CT_MAX: u32 = 262_144;
 pub const DEFAULT_AFFINITY_MAX: u32 = 131_072;
 pub const DEFAULT_AFFINITY_MATCH_MAX: u32 = 131_072;
+/// `loadBalancerSourceRanges` entries (frontend x allowed prefix).
+pub const DEFAULT_SOURCE_RANGES_MAX: u32 = 16_384;
 
 /// Affinity client kinds: socket LB identifies a client by its network namespace cookie (one
 /// per pod), TC LB by its source address.
@@ -67,6 +71,9 @@ pub const SVC_FLAG_NONE: u16 = 0;
 /// Cluster` Service: TC LB source-NATs flows it sends to a backend on another node, so the
 /// reply comes back through this node (as kube-proxy's masquerade does).
 pub const SVC_FLAG_SNAT_REMOTE: u16 = 1;
+/// A load-balancer frontend with `loadBalancerSourceRanges`: TC LB admits new flows only
+/// from clients in `GN_SRCRANGE4/6` for it.
+pub const SVC_FLAG_SOURCE_RANGES: u16 = 2;
 
 /// `Backend4/6::flags`: the endpoint runs on another node.
 pub const BE_FLAG_REMOTE: u8 = 1;
@@ -107,8 +114,10 @@ pub enum Stat {
     TcSnatRevNat = 13,
     /// No free source-NAT port or no route to the backend: the packet was dropped.
     TcSnatFailed = 14,
+    /// A client outside the frontend's `loadBalancerSourceRanges`: dropped.
+    TcSourceRangeDrop = 15,
 }
-pub const STATS_LEN: u32 = 15;
+pub const STATS_LEN: u32 = 16;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -125,6 +134,7 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_snat",
     "tc_snat_revnat",
     "tc_snat_failed",
+    "tc_source_range_drop",
 ];
 
 /// Key of `GN_SVC4`.
@@ -328,6 +338,32 @@ pub struct AffinityKey6 {
     pub kind: u8,
 }
 
+/// Data of a `GN_SRCRANGE4` key (LPM trie, value `u8` 1): the frontend, matched whole, then
+/// an allowed client prefix. The key's prefix length is `SOURCE_RANGE_FE_BITS4` + the
+/// prefix length of the client range; lookups use the full length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceRange4 {
+    pub fe_addr: u32,
+    pub fe_port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+    pub client: u32,
+}
+pub const SOURCE_RANGE_FE_BITS4: u32 = 64;
+
+/// IPv6 twin of `SourceRange4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceRange6 {
+    pub fe_addr: Ip6,
+    pub fe_port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+    pub client: Ip6,
+}
+pub const SOURCE_RANGE_FE_BITS6: u32 = 160;
+
 /// Key of `GN_AFFMATCH6` (value `u8`, always 1), as `AffinityMatchKey4`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -360,6 +396,8 @@ const _: () = {
     assert!(core::mem::size_of::<CtValue6>() == 32);
     assert!(core::mem::size_of::<AffinityKey6>() == 36);
     assert!(core::mem::size_of::<AffinityMatchKey6>() == 24);
+    assert!(core::mem::size_of::<SourceRange4>() == 12);
+    assert!(core::mem::size_of::<SourceRange6>() == 36);
 };
 
 #[cfg(feature = "user")]
@@ -384,6 +422,8 @@ mod pod {
     unsafe impl aya::Pod for CtValue6 {}
     unsafe impl aya::Pod for AffinityKey6 {}
     unsafe impl aya::Pod for AffinityMatchKey6 {}
+    unsafe impl aya::Pod for SourceRange4 {}
+    unsafe impl aya::Pod for SourceRange6 {}
 }
 
 impl ServiceKey4 {

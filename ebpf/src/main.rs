@@ -10,7 +10,7 @@ mod xdp;
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::Key, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use gardenet_common::*;
 
@@ -51,6 +51,27 @@ static GN_AFF6: LruHashMap<AffinityKey6, AffinityValue4> = LruHashMap::pinned(DE
 
 #[map]
 static GN_AFFMATCH6: HashMap<AffinityMatchKey6, u8> = HashMap::pinned(DEFAULT_AFFINITY_MATCH_MAX, 0);
+
+#[map]
+static GN_SRCRANGE4: LpmTrie<SourceRange4, u8> = LpmTrie::pinned(DEFAULT_SOURCE_RANGES_MAX, 0);
+
+#[map]
+static GN_SRCRANGE6: LpmTrie<SourceRange6, u8> = LpmTrie::pinned(DEFAULT_SOURCE_RANGES_MAX, 0);
+
+/// `loadBalancerSourceRanges`: whether `client` may open a flow to the frontend of `key`
+/// (only asked for frontends whose master entry has `SVC_FLAG_SOURCE_RANGES`).
+#[inline(always)]
+fn source_allowed(key: &ServiceKey4, client: u32) -> bool {
+    let data = SourceRange4 { fe_addr: key.addr, fe_port: key.port, proto: key.proto, _pad: 0, client };
+    GN_SRCRANGE4.get(Key::new(SOURCE_RANGE_FE_BITS4 + 32, data)).is_some()
+}
+
+/// IPv6 twin of `source_allowed`.
+#[inline(always)]
+fn source_allowed6(key: &ServiceKey6, client: Ip6) -> bool {
+    let data = SourceRange6 { fe_addr: key.addr, fe_port: key.port, proto: key.proto, _pad: 0, client };
+    GN_SRCRANGE6.get(Key::new(SOURCE_RANGE_FE_BITS6 + 128, data)).is_some()
+}
 
 #[map]
 static GN_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_LEN, 0);

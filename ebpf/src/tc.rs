@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{select_backend_affine, select_backend_affine6, stat, GN_CT4, GN_CT6, GN_SVC4, GN_SVC6};
+use crate::{select_backend_affine, select_backend_affine6, source_allowed, source_allowed6, stat, GN_CT4, GN_CT6, GN_SVC4, GN_SVC6};
 
 /// "Not ours, carry on": lets later tcx programs / tc filters run (TCX_NEXT / TC_ACT_UNSPEC).
 const PASS: i32 = -1;
@@ -179,6 +179,10 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
         }
         return None;
     };
+    if master.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(&skey, f.saddr) {
+        stat(Stat::TcSourceRangeDrop);
+        return Some(DROP);
+    }
     let Some((_, be)) = select_backend_affine(&skey, master, f.saddr as u64, AFF_CLIENT_ADDR) else {
         if master.count == 0 {
             return Some(reject(ctx, f));
@@ -631,6 +635,10 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         }
         return None;
     };
+    if master.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed6(&skey, f.saddr) {
+        stat(Stat::TcSourceRangeDrop);
+        return Some(DROP);
+    }
     let Some((_, be)) = select_backend_affine6(&skey, master, f.saddr, AFF_CLIENT_ADDR) else {
         if master.count == 0 {
             return Some(reject6(ctx, f));

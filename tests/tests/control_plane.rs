@@ -238,3 +238,53 @@ fn health_readiness_and_metrics_endpoints() {
     }
     assert!(text.contains("sock_translated"), "datapath counters exported:\n{text}");
 }
+
+fn lb_svc(ranges: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: lab}}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.40\n{ranges}  ports:\n  - {{name: p-tcp, port: 80, targetPort: 8080, nodePort: 30090, protocol: TCP}}\nstatus:\n  loadBalancer: {{ingress: [{{ip: 198.19.100.1}}]}}\n"
+    )
+}
+
+#[test]
+fn load_balancer_source_ranges_admit_only_their_clients() {
+    let _g = serial();
+    let lab = Lab::new(1).unwrap();
+    // node2 reaches the load-balancer IP through this node too.
+    lab.node2.ip(&["route", "add", "198.19.100.0/24", "via", NODE_ADDR]).unwrap();
+    let only_client = "  loadBalancerSourceRanges: [198.18.0.0/24]\n";
+    let mut agent = Agent::start(
+        &lab,
+        AgentOpts { tc: true, ..Default::default() },
+        &[("node.yaml", node_yaml()), ("svc.yaml", lb_svc(only_client)), ("eps.yaml", slice_yaml("lb", &[0], &["TCP"]))],
+    )
+    .unwrap();
+    let lb = "198.19.100.1:80";
+    agent.wait_backends(&format!("{lb}/tcp"), 1).unwrap();
+    let listed = agent.lb_list().unwrap();
+    let fe = listed.as_array().unwrap().iter().find(|f| f["frontend"]["addr"] == "198.19.100.1").unwrap().clone();
+    assert_eq!(fe["source_ranges"], serde_json::json!([{"addr": "198.18.0.0", "len": 24}]), "{fe}");
+    let from_client = || lab.client_json(false, &["connect", "--to", lb, "--timeout-ms", "700"]).unwrap()["outcome"] == "Connected";
+    let from_node2 = || lab.node2_json(&["connect", "--to", lb, "--timeout-ms", "700"]).unwrap()["outcome"] == "Connected";
+    assert!(from_client(), "198.18.0.2 is in the range");
+    assert!(!from_node2(), "198.18.2.2 is not");
+    // The ClusterIP and NodePort of the same Service are not restricted.
+    let np = format!("{NODE_ADDR}:30090");
+    assert_eq!(lab.node2_json(&["connect", "--to", &np, "--timeout-ms", "700"]).unwrap()["outcome"], "Connected");
+
+    // The ranges change: the other way round, then no restriction at all.
+    agent.write("svc.yaml", &lb_svc("  loadBalancerSourceRanges: [198.18.2.0/24]\n")).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !from_node2() {
+        assert!(std::time::Instant::now() < deadline, "node2 not admitted after the change");
+    }
+    assert!(!from_client(), "the client is no longer in the range");
+    agent.write("svc.yaml", &lb_svc("")).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !from_client() {
+        assert!(std::time::Instant::now() < deadline, "the client not admitted once the ranges are gone");
+    }
+    assert!(from_node2());
+    let listed = agent.lb_list().unwrap();
+    assert!(listed.as_array().unwrap().iter().all(|f| f.get("source_ranges").is_none()), "{listed}");
+    agent.stop();
+}
