@@ -8,7 +8,8 @@ use aya_ebpf::{
         bpf_ktime_get_ns,
         generated::{bpf_fib_lookup, bpf_get_prandom_u32, bpf_redirect, bpf_redirect_neigh},
     },
-    macros::classifier,
+    macros::{classifier, map},
+    maps::PerCpuArray,
     programs::TcContext,
 };
 use gardenet_common::*;
@@ -229,18 +230,35 @@ const SNAT_IDLE_UDP_NS: u64 = 120 * 1_000_000_000;
 const SNAT_CLOSED_NS: u64 = 10 * 1_000_000_000;
 const SNAT_PORT_TRIES: u32 = 8;
 
+/// Per-CPU room for the 64-byte FIB lookup parameters: on the stack they would push the
+/// IPv6 ingress path over the verifier's 512 bytes.
+#[map]
+static GN_FIB_SCRATCH: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
+
+/// Zeroed FIB parameters in this CPU's scratch slot.
+#[inline(always)]
+fn fib_params() -> Option<&'static mut FibParams> {
+    let p = GN_FIB_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot, not shared while the program runs; write_bytes avoids a
+    // zeroed temporary on the stack.
+    unsafe {
+        core::ptr::write_bytes(p, 0, 1);
+        Some(&mut *p)
+    }
+}
+
 /// Route from this node to `dst` as if forwarding a packet that came in on `ifindex`: the
 /// egress interface and, with `want_src`, the node's preferred source address on that route.
 #[inline(always)]
 fn route(ctx: &TcContext, ifindex: u32, proto: u8, src: u32, dst: u32, want_src: bool) -> Option<(u32, u32)> {
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    let p = fib_params()?;
     p.family = 2; // AF_INET
     p.l4_protocol = proto;
     p.ifindex = ifindex;
     p.__bindgen_anon_3.ipv4_src = src;
     p.__bindgen_anon_4.ipv4_dst = dst;
     let flags = BPF_FIB_LOOKUP_SKIP_NEIGH | if want_src { BPF_FIB_LOOKUP_SRC } else { 0 };
-    let rc = unsafe { bpf_fib_lookup(ctx.skb.skb.cast(), &mut p, core::mem::size_of::<FibParams>() as i32, flags) };
+    let rc = unsafe { bpf_fib_lookup(ctx.skb.skb.cast(), p, core::mem::size_of::<FibParams>() as i32, flags) };
     if rc != 0 {
         return None;
     }
@@ -542,8 +560,9 @@ fn replace32(ctx: &TcContext, csum: usize, off: usize, old: u32, new: u32) -> Op
 // ---------------------------------------------------------------------------------------------
 // IPv6: the same design. No L3 checksum; the L4 checksum covers the addresses through the
 // pseudo header, so every changed address word goes through `l4_csum_replace` with
-// BPF_F_PSEUDO_HDR. Only packets whose fixed header is followed directly by TCP or UDP are
-// handled; extension headers (incl. fragments) pass untouched.
+// BPF_F_PSEUDO_HDR. Hop-by-hop and destination options headers (up to `IP6_MAX_EXT`) are
+// skipped to find TCP or UDP; fragments, routing headers (the destination is then not the
+// final one) and anything else pass untouched, as IPv4 fragments do.
 
 struct Flow6 {
     saddr: Ip6,
@@ -552,12 +571,18 @@ struct Flow6 {
     dport: u16,
     proto: u8,
     tcp_flags: u8,
+    /// Offset of the L4 header (after any extension headers).
+    l4: usize,
 }
+
+const IP6_MAX_EXT: usize = 3;
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_DEST: u8 = 60;
 
 impl Flow6 {
     #[inline(always)]
     fn csum_off(&self) -> usize {
-        IP6_L4_OFF + if self.proto == PROTO_TCP { 16 } else { 6 }
+        self.l4 + if self.proto == PROTO_TCP { 16 } else { 6 }
     }
 
     #[inline(always)]
@@ -577,18 +602,30 @@ fn parse6(ctx: &TcContext) -> Option<Flow6> {
     if v >> 4 != 6 {
         return None;
     }
-    let proto: u8 = ctx.load(IP6_NEXT_OFF).ok()?;
+    let mut proto: u8 = ctx.load(IP6_NEXT_OFF).ok()?;
+    let mut l4 = IP6_L4_OFF;
+    for _ in 0..IP6_MAX_EXT {
+        if proto != NEXTHDR_HOP && proto != NEXTHDR_DEST {
+            break;
+        }
+        // Both: next header, then the length in 8-octet units not counting the first 8.
+        let next: u8 = ctx.load(l4).ok()?;
+        let len: u8 = ctx.load(l4 + 1).ok()?;
+        proto = next;
+        l4 += (len as usize + 1) * 8;
+    }
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let tcp_flags = if proto == PROTO_TCP { ctx.load::<u8>(IP6_L4_OFF + 13).ok()? } else { 0 };
+    let tcp_flags = if proto == PROTO_TCP { ctx.load::<u8>(l4 + 13).ok()? } else { 0 };
     Some(Flow6 {
         saddr: ctx.load(IP6_SRC_OFF).ok()?,
         daddr: ctx.load(IP6_DST_OFF).ok()?,
-        sport: ctx.load(IP6_L4_OFF).ok()?,
-        dport: ctx.load(IP6_L4_OFF + 2).ok()?,
+        sport: ctx.load(l4).ok()?,
+        dport: ctx.load(l4 + 2).ok()?,
         proto,
         tcp_flags,
+        l4,
     })
 }
 
@@ -623,7 +660,7 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
             if flags & CT_FLAG_SNAT != 0 {
                 return Some(snat_established6(ctx, f, &addr, port, now));
             }
-            nat6(ctx, f, &f.daddr, &addr, IP6_DST_OFF, f.dport, port, IP6_L4_OFF + 2)?;
+            nat6(ctx, f, &f.daddr, &addr, IP6_DST_OFF, f.dport, port, f.l4 + 2)?;
             stat(Stat::TcDnat);
             return Some(PASS);
         }
@@ -655,7 +692,7 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     let fval = CtValue6 { addr: be.addr, port: be.port, flags: 0, _pad: 0, last_seen_ns: now };
     GN_CT6.insert(&fkey, &fval, 0).ok()?;
     stat(Stat::TcCtCreated);
-    nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, IP6_L4_OFF + 2)?;
+    nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, f.l4 + 2)?;
     stat(Stat::TcDnat);
     Some(PASS)
 }
@@ -666,7 +703,7 @@ fn rev_nat6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     let ct = unsafe { &mut *ct };
     ct.last_seen_ns = unsafe { bpf_ktime_get_ns() };
     let (addr, port) = (ct.addr, ct.port);
-    nat6(ctx, f, &f.saddr, &addr, IP6_SRC_OFF, f.sport, port, IP6_L4_OFF)?;
+    nat6(ctx, f, &f.saddr, &addr, IP6_SRC_OFF, f.sport, port, f.l4)?;
     stat(Stat::TcRevNat);
     Some(PASS)
 }
@@ -674,14 +711,14 @@ fn rev_nat6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
 /// IPv6 twin of `route`.
 #[inline(always)]
 fn route6(ctx: &TcContext, ifindex: u32, proto: u8, src: &Ip6, dst: &Ip6, want_src: bool) -> Option<(u32, Ip6)> {
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    let p = fib_params()?;
     p.family = 10; // AF_INET6
     p.l4_protocol = proto;
     p.ifindex = ifindex;
     p.__bindgen_anon_3.ipv6_src = *src;
     p.__bindgen_anon_4.ipv6_dst = *dst;
     let flags = BPF_FIB_LOOKUP_SKIP_NEIGH | if want_src { BPF_FIB_LOOKUP_SRC } else { 0 };
-    let rc = unsafe { bpf_fib_lookup(ctx.skb.skb.cast(), &mut p, core::mem::size_of::<FibParams>() as i32, flags) };
+    let rc = unsafe { bpf_fib_lookup(ctx.skb.skb.cast(), p, core::mem::size_of::<FibParams>() as i32, flags) };
     if rc != 0 {
         return None;
     }
@@ -737,8 +774,8 @@ fn snat_new6(ctx: &TcContext, f: &Flow6, fkey: &CtKey6, be: &Backend6, now: u64)
     }
     stat(Stat::TcCtCreated);
     if decrement_hop_limit(ctx).is_none()
-        || nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, IP6_L4_OFF + 2).is_none()
-        || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, IP6_L4_OFF).is_none()
+        || nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, f.l4 + 2).is_none()
+        || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, f.l4).is_none()
     {
         return DROP;
     }
@@ -774,8 +811,8 @@ fn snat_established6(ctx: &TcContext, f: &Flow6, be_addr: &Ip6, be_port: u16, no
         return DROP;
     };
     if decrement_hop_limit(ctx).is_none()
-        || nat6(ctx, f, &f.daddr, be_addr, IP6_DST_OFF, f.dport, be_port, IP6_L4_OFF + 2).is_none()
-        || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, IP6_L4_OFF).is_none()
+        || nat6(ctx, f, &f.daddr, be_addr, IP6_DST_OFF, f.dport, be_port, f.l4 + 2).is_none()
+        || nat6(ctx, f, &f.saddr, &nat_addr, IP6_SRC_OFF, f.sport, nat_port, f.l4).is_none()
     {
         return DROP;
     }
@@ -806,8 +843,8 @@ fn snat_reverse6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         return Some(DROP);
     };
     if decrement_hop_limit(ctx).is_none()
-        || nat6(ctx, f, &f.daddr, &client, IP6_DST_OFF, f.dport, client_port, IP6_L4_OFF + 2).is_none()
-        || nat6(ctx, f, &f.saddr, &fe_addr, IP6_SRC_OFF, f.sport, fe_port, IP6_L4_OFF).is_none()
+        || nat6(ctx, f, &f.daddr, &client, IP6_DST_OFF, f.dport, client_port, f.l4 + 2).is_none()
+        || nat6(ctx, f, &f.saddr, &fe_addr, IP6_SRC_OFF, f.sport, fe_port, f.l4).is_none()
     {
         return Some(DROP);
     }
@@ -847,7 +884,9 @@ fn reject6(ctx: &TcContext, f: &Flow6) -> i32 {
 /// `syn_to_rst` for IPv6: the swap of addresses and ports keeps the pseudo-header sum.
 #[inline(always)]
 fn syn_to_rst6(ctx: &TcContext, f: &Flow6) -> Option<()> {
-    let l4 = IP6_L4_OFF;
+    // Only a SYN without extension headers is answered (the check on the payload length
+    // below); others are dropped.
+    let l4 = f.l4;
     let csum = f.csum_off();
     let plen = u16::from_be(ctx.load::<u16>(IP6_PLEN_OFF).ok()?) as usize;
     let hdr_word: u16 = ctx.load(l4 + 12).ok()?;

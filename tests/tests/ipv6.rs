@@ -122,6 +122,14 @@ fn tc_lb_v6_translates_traffic_that_socket_lb_does_not_see() {
     assert_eq!(b["uploaded"], 1u64 << 20, "{b}");
     assert_eq!(b["downloaded"], 1u64 << 20, "{b}");
     assert_eq!(b["upload_backend"], b["download_backend"], "one connection, one backend: {b}");
+
+    // With a destination options header before TCP the L4 header sits further in: still
+    // translated (handshake, then a request and its answer).
+    for _ in 0..10 {
+        let c = lab.client_json(false, &["connect", "--to", &vip6(), "--ipv6-dstopts", "--hello"]).unwrap();
+        assert_eq!(c["outcome"], "Connected", "{c}");
+        assert!(c["backend"].as_str().is_some_and(|b| b.starts_with("be")), "{c}");
+    }
 }
 
 #[test]

@@ -67,6 +67,12 @@ enum Cmd {
         /// IP TTL / IPv6 hop limit of the packets sent.
         #[arg(long)]
         ttl: Option<u32>,
+        /// IPv6: send every packet with a destination options extension header (PadN).
+        #[arg(long)]
+        ipv6_dstopts: bool,
+        /// Once connected, send `HELLO` and report the answering backend.
+        #[arg(long)]
+        hello: bool,
     },
     /// Sends BYTES to a backend and receives BYTES back over one connection.
     Bulk {
@@ -101,7 +107,7 @@ fn main() -> Result<()> {
         Cmd::Tcp { to, count, timeout_ms, bind_port } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port),
         Cmd::Udp { to, count, timeout_ms, fresh_socket } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket),
         Cmd::Peername { to, udp } => peername(to, udp),
-        Cmd::Connect { to, timeout_ms, ttl } => connect(to, Duration::from_millis(timeout_ms), ttl),
+        Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
         Cmd::Bulk { to, bytes, pace_ms } => bulk(to, bytes.min(1 << 30), pace_ms),
         Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
         Cmd::HttpGet { to, path } => http_get(to, &path),
@@ -316,13 +322,25 @@ fn peername(to: SocketAddr, udp: bool) -> Result<()> {
     Ok(())
 }
 
-fn connect(to: SocketAddr, timeout: Duration, ttl: Option<u32>) -> Result<()> {
+fn connect(to: SocketAddr, timeout: Duration, ttl: Option<u32>, ipv6_dstopts: bool, hello: bool) -> Result<()> {
     let s = socket2::Socket::new(socket2::Domain::for_address(to), socket2::Type::STREAM, None)?;
     if let Some(t) = ttl {
         if to.is_ipv4() {
             s.set_ttl_v4(t)?;
         } else {
             s.set_unicast_hops_v6(t)?;
+        }
+    }
+    if ipv6_dstopts {
+        // Next header (filled in by the kernel), length 0 (8 octets), PadN with 4 octets.
+        let opts: [u8; 8] = [0, 0, 1, 4, 0, 0, 0, 0];
+        const IPV6_DSTOPTS: libc::c_int = 59;
+        // SAFETY: a valid fd and a buffer of the given length.
+        let rc = unsafe {
+            libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(&s), libc::IPPROTO_IPV6, IPV6_DSTOPTS, opts.as_ptr().cast(), opts.len() as libc::socklen_t)
+        };
+        if rc != 0 {
+            bail!("IPV6_DSTOPTS: {}", std::io::Error::last_os_error());
         }
     }
     let t0 = Instant::now();
@@ -332,7 +350,16 @@ fn connect(to: SocketAddr, timeout: Duration, ttl: Option<u32>) -> Result<()> {
         Ok(_) => "Connected".to_string(),
         Err(e) => err_kind(e),
     };
-    println!("{}", json!({"outcome": outcome, "elapsed_ms": ms, "error": r.err().map(|e| e.to_string())}));
+    let mut backend = None;
+    if hello && r.is_ok() {
+        let s: TcpStream = s.into();
+        s.set_read_timeout(Some(timeout))?;
+        (&s).write_all(b"HELLO\n")?;
+        let mut line = String::new();
+        BufReader::new(&s).read_line(&mut line)?;
+        backend = Some(line.trim().to_owned());
+    }
+    println!("{}", json!({"outcome": outcome, "elapsed_ms": ms, "error": r.err().map(|e| e.to_string()), "backend": backend}));
     Ok(())
 }
 
