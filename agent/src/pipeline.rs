@@ -138,7 +138,7 @@ impl<M: LbMaps> Pipeline<M> {
             SourceEvent::NodeApplied(n) => {
                 let node = node_info(&n);
                 if node.addresses != self.node.addresses || node.zone != self.node.zone {
-                    self.node = NodeInfo { name: self.node.name.clone(), ..node };
+                    self.node = NodeInfo { name: self.node.name.clone(), no_source_nat: self.node.no_source_nat, ..node };
                     self.dirty.extend(self.services.keys().cloned());
                 }
             }
@@ -349,7 +349,7 @@ pub fn node_info(n: &k8s_openapi::api::core::v1::Node) -> NodeInfo {
         }
     }
     let zone = n.metadata.labels.as_ref().and_then(|l| l.get("topology.kubernetes.io/zone")).cloned();
-    NodeInfo { name: n.metadata.name.clone().unwrap_or_default(), addresses, zone }
+    NodeInfo { name: n.metadata.name.clone().unwrap_or_default(), addresses, zone, ..Default::default() }
 }
 
 #[cfg(test)]

@@ -209,7 +209,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if lb.frontend_count() > 0 {
         tracing::info!("adopted {} frontends and {} backends from pinned maps", lb.frontend_count(), lb.backend_count());
     }
-    let node = NodeInfo { name: args.node_name.clone(), ..Default::default() };
+    // Source NAT for remote endpoints asks the FIB for the node's source address
+    // (BPF_FIB_LOOKUP_SRC, Linux 6.7); without it external traffic is only DNATed.
+    let no_source_nat = !aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 7, 0));
+    if no_source_nat {
+        tracing::warn!("this kernel predates Linux 6.7: no source NAT for external traffic to endpoints on other nodes (their replies must come back through this node by routing)");
+    }
+    let node = NodeInfo { name: args.node_name.clone(), no_source_nat, ..Default::default() };
     let mut pipeline = Pipeline::new(maps, lb, node);
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);

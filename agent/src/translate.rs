@@ -16,6 +16,9 @@ pub struct NodeInfo {
     /// Addresses (IPv4 and IPv6) NodePorts are served on, for the Service's families.
     pub addresses: Vec<IpAddr>,
     pub zone: Option<String>,
+    /// The kernel cannot source-NAT on the TC path (`BPF_FIB_LOOKUP_SRC` needs Linux 6.7):
+    /// external traffic to remote endpoints is then only DNATed, as before source NAT existed.
+    pub no_source_nat: bool,
 }
 
 /// Why a Service (or part of it) was not programmed. Logged, counted and posted as an Event
@@ -114,7 +117,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
             // External clients of a Cluster-policy Service may land on another node's
             // endpoint, whose reply must come back through here: source NAT (kube-proxy
             // masquerades). Local policy keeps the client address and has no remote ones.
-            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout, snat_remote: !svc.external_local, ..Default::default() };
+            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout, snat_remote: !svc.external_local && !node.no_source_nat, ..Default::default() };
             // Load-balancer IPs also admit only the Service's source ranges (of their family).
             let lb = FrontendSpec { source_ranges: svc.source_ranges.iter().filter(|c| c.addr.is_ipv4() == v4).copied().collect(), ..externl.clone() };
             specs.push((internal, externl, lb));
@@ -255,7 +258,7 @@ endpoints:
 "#;
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "n1".into(), addresses: vec!["192.0.2.10".parse().unwrap()], zone: None }
+        NodeInfo { name: "n1".into(), addresses: vec!["192.0.2.10".parse().unwrap()], ..Default::default() }
     }
 
     fn fe(s: &str) -> Frontend {
@@ -381,7 +384,7 @@ endpoints:
 "#;
 
     fn dual_node() -> NodeInfo {
-        NodeInfo { name: "n1".into(), addresses: vec!["192.0.2.10".parse().unwrap(), "2001:db8:1::10".parse().unwrap()], zone: None }
+        NodeInfo { name: "n1".into(), addresses: vec!["192.0.2.10".parse().unwrap(), "2001:db8:1::10".parse().unwrap()], ..Default::default() }
     }
 
     #[test]
@@ -497,6 +500,9 @@ spec:
         let snat: Vec<String> = t.frontends.iter().filter(|(_, s)| s.snat_remote).map(|(f, _)| f.to_string()).collect();
         assert_eq!(snat, ["192.0.2.10:30080/tcp"], "NodePort (external) yes, ClusterIP no");
         assert_eq!(backends_of(&t, "192.0.2.10:30080/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080 remote"]));
+        // A kernel without source NAT support: DNAT only.
+        let t = translate(&svc(&LB_SVC.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster")), &[&slice(LOCAL_SLICE)], &NodeInfo { no_source_nat: true, ..node() });
+        assert!(t.frontends.iter().all(|(_, s)| !s.snat_remote));
         // Without a node name of our own nothing counts as remote.
         let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &NodeInfo { name: String::new(), ..node() });
         assert!(t.frontends.iter().flat_map(|(_, s)| &s.backends).all(|b| !b.remote));

@@ -404,6 +404,11 @@ fn snat_established(ctx: &TcContext, f: &Flow, be_addr: u32, be_port: u16, now: 
 /// A backend's reply to a source-NATed flow: back to the client, from the frontend.
 #[inline(always)]
 fn snat_reverse(ctx: &TcContext, f: &Flow) -> Option<i32> {
+    // Only packets to a source-NAT port can be replies of such flows: skip the lookup for
+    // all other traffic.
+    if u16::from_be(f.dport) < SNAT_PORT_MIN {
+        return None;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let r = GN_CT4.get_ptr_mut(&f.ct_key(CT_DIR_SNAT_REPLY))?;
     let r = unsafe { &mut *r };
@@ -824,6 +829,9 @@ fn snat_established6(ctx: &TcContext, f: &Flow6, be_addr: &Ip6, be_port: u16, no
 /// IPv6 twin of `snat_reverse`.
 #[inline(always)]
 fn snat_reverse6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
+    if u16::from_be(f.dport) < SNAT_PORT_MIN {
+        return None;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let r = GN_CT6.get_ptr_mut(&f.ct_key(CT_DIR_SNAT_REPLY))?;
     let r = unsafe { &mut *r };
