@@ -280,31 +280,7 @@ pub async fn serve_on(
     state: Arc<AgentState>,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<()> {
-    loop {
-        let tcp = match listener.accept().await {
-            Ok((tcp, _)) => tcp,
-            Err(e) => {
-                // E.g. out of file descriptors: back off instead of spinning, keep serving.
-                tracing::warn!("health endpoint: accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let (state, metrics) = (state.clone(), metrics.clone());
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let response = respond(&req, &state, &metrics);
-                async move { Ok::<_, Infallible>(response) }
-            });
-            let conn = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(tcp), service);
-            if let Err(e) = conn.await {
-                tracing::debug!("health endpoint connection: {e}");
-            }
-        });
-    }
+    serve_http(listener, "health endpoint", move |req| respond(req, &state, &metrics)).await
 }
 
 /// Serves kube-proxy's health check on a bound listener until the task is dropped:
@@ -313,19 +289,28 @@ pub async fn serve_on(
 /// 503; `/livez` ignores eligibility. The body is kube-proxy's JSON
 /// (`lastUpdated`, `currentTime`, `nodeEligible`).
 pub async fn serve_proxy_healthz(listener: TcpListener, state: Arc<AgentState>) -> anyhow::Result<()> {
+    serve_http(listener, "proxy health endpoint", move |req| proxy_health(req.method(), req.uri().path(), &state)).await
+}
+
+/// Accepts HTTP/1 connections on `listener` and answers every request with `respond`.
+async fn serve_http<F>(listener: TcpListener, what: &'static str, respond: F) -> anyhow::Result<()>
+where
+    F: Fn(&Request<Incoming>) -> Response<Full<Bytes>> + Clone + Send + Sync + 'static,
+{
     loop {
         let tcp = match listener.accept().await {
             Ok((tcp, _)) => tcp,
             Err(e) => {
-                tracing::warn!("proxy health endpoint: accept failed: {e}");
+                // E.g. out of file descriptors: back off instead of spinning, keep serving.
+                tracing::warn!("{what}: accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        let state = state.clone();
+        let respond = respond.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req| {
-                let response = respond_proxy(&req, &state);
+                let response = respond(&req);
                 async move { Ok::<_, Infallible>(response) }
             });
             let conn = http1::Builder::new()
@@ -333,7 +318,7 @@ pub async fn serve_proxy_healthz(listener: TcpListener, state: Arc<AgentState>) 
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .serve_connection(TokioIo::new(tcp), service);
             if let Err(e) = conn.await {
-                tracing::debug!("proxy health endpoint connection: {e}");
+                tracing::debug!("{what} connection: {e}");
             }
         });
     }
@@ -341,10 +326,6 @@ pub async fn serve_proxy_healthz(listener: TcpListener, state: Arc<AgentState>) 
 
 fn rfc3339(t: std::time::SystemTime) -> String {
     k8s_openapi::jiff::Timestamp::try_from(t).map(|t| t.to_string()).unwrap_or_default()
-}
-
-fn respond_proxy(req: &Request<Incoming>, state: &AgentState) -> Response<Full<Bytes>> {
-    proxy_health(req.method(), req.uri().path(), state)
 }
 
 /// The kube-proxy health check's answer (separate from the HTTP plumbing for tests).
