@@ -225,7 +225,12 @@ impl Metrics {
         self.map_writes
             .get_or_create(&OpLabel { op: "delete" })
             .inc_by(u64::from(report.writes.deletes));
-        for p in &report.problems {
+        self.observe_problems(&report.problems);
+    }
+
+    /// Counts problems by kind (`gardenet_errors_total`).
+    pub fn observe_problems(&self, problems: &[Problem]) {
+        for p in problems {
             self.error(ErrorKind::of_problem(p));
         }
     }

@@ -3,8 +3,9 @@
 //! Only the Services touched by an event are re-translated and re-programmed, so one
 //! EndpointSlice change costs map writes proportional to its own endpoints.
 use std::{
-    collections::{BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     sync::Arc,
+    time::{Duration, Instant},
 };
 
 use crate::{
@@ -14,6 +15,9 @@ use crate::{
     translate::{self, NodeInfo, Problem, ProblemObject},
     view::{ServiceView, SliceView},
 };
+
+/// How long a slice may wait for its Service before it is reported.
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(5);
 
 /// Counters the agent reports (logs, metrics).
 #[derive(Clone, Debug, Default)]
@@ -50,8 +54,9 @@ pub struct Pipeline<M: LbMaps> {
     pruned: bool,
     resync: Option<(HashSet<String>, HashSet<String>)>,
     health: HashMap<String, translate::HealthCheck>,
-    /// Slices applied since the last flush: checked then for a Service to belong to.
-    applied_slices: BTreeSet<String>,
+    /// Slices applied recently, with when: checked for a Service to belong to once
+    /// `ORPHAN_GRACE` has passed (see [`Pipeline::orphan_slices`]).
+    applied_slices: BTreeMap<String, Instant>,
     pub stats: PipelineStats,
 }
 
@@ -73,7 +78,7 @@ impl<M: LbMaps> Pipeline<M> {
             pruned: false,
             resync: None,
             health: HashMap::new(),
-            applied_slices: BTreeSet::new(),
+            applied_slices: BTreeMap::new(),
             stats: PipelineStats::default(),
         }
     }
@@ -128,7 +133,7 @@ impl<M: LbMaps> Pipeline<M> {
                     self.slices_by_svc.entry(svc.clone()).or_default().insert(k.clone());
                     self.dirty.insert(svc);
                 }
-                self.applied_slices.insert(k.clone());
+                self.applied_slices.insert(k.clone(), Instant::now());
                 self.slices.insert(k, sl);
             }
             SourceEvent::SliceDeleted(sl) => {
@@ -213,7 +218,6 @@ impl<M: LbMaps> Pipeline<M> {
                 }
             }
         }
-        self.check_applied_slices(&mut rep);
         for p in &rep.problems {
             tracing::warn!(object = ?p.object, name = %p.service, "{}", p.message);
         }
@@ -221,20 +225,30 @@ impl<M: LbMaps> Pipeline<M> {
         rep
     }
 
-    /// A slice nobody can use: no `kubernetes.io/service-name` label, or a Service of that name
-    /// does not exist. Checked only for slices that arrived since the last flush (and after
-    /// the first full sync), so a Service deleted just before its slices is not reported.
-    fn check_applied_slices(&mut self, rep: &mut FlushReport) {
-        for k in std::mem::take(&mut self.applied_slices) {
+    /// Slices nobody can use: no `kubernetes.io/service-name` label, or no Service of that
+    /// name. Each slice is checked once, `ORPHAN_GRACE` after it arrived: Services and
+    /// slices come through separate watches, so a new Service's slice may arrive first. A
+    /// Service deleted before its slices is not reported either (only arrivals are checked).
+    /// Call it now and then (the run loop does on its tick); nothing before the first sync.
+    pub fn orphan_slices(&mut self, now: Instant) -> Vec<Problem> {
+        let mut out = Vec::new();
+        if !self.synced {
+            return out;
+        }
+        let due: Vec<String> = self.applied_slices.iter().filter(|(_, t)| now.saturating_duration_since(**t) >= ORPHAN_GRACE).map(|(k, _)| k.clone()).collect();
+        for k in due {
+            self.applied_slices.remove(&k);
             let Some(sl) = self.slices.get(&k) else { continue };
             let message = match sl.service_key() {
                 None => format!("EndpointSlice {k} has no {} label; ignored", translate::SERVICE_NAME_LABEL),
                 Some(svc) if !self.services.contains_key(&svc) => format!("EndpointSlice {k} belongs to Service {svc}, which does not exist; ignored"),
                 Some(_) => continue,
             };
+            tracing::warn!(object = "EndpointSlice", name = %k, "{message}");
             self.stats.problems += 1;
-            rep.problems.push(Problem { object: ProblemObject::EndpointSlice, service: k, message });
+            out.push(Problem { object: ProblemObject::EndpointSlice, service: k, message });
         }
+        out
     }
 
     fn map_error(&mut self, rep: &mut FlushReport, svc: &str, message: String) {
@@ -484,7 +498,11 @@ mod tests {
         p.handle(SourceEvent::SliceApplied(Arc::new(slice("metadata: {name: loose, namespace: d}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.3]}]"))));
         p.handle(SourceEvent::Synced);
         let r = p.flush();
-        let msgs: Vec<(ProblemObject, &str, &str)> = r.problems.iter().map(|p| (p.object, p.service.as_str(), p.message.as_str())).collect();
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert!(p.orphan_slices(Instant::now()).is_empty(), "a slice may arrive before its Service");
+        let later = Instant::now() + ORPHAN_GRACE;
+        let orphans = p.orphan_slices(later);
+        let msgs: Vec<(ProblemObject, &str, &str)> = orphans.iter().map(|p| (p.object, p.service.as_str(), p.message.as_str())).collect();
         assert_eq!(
             msgs,
             [
@@ -493,10 +511,16 @@ mod tests {
             ]
         );
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080"], "the rest is programmed");
-        assert!(p.flush().problems.is_empty(), "reported when they arrive, not on every flush");
+        assert!(p.orphan_slices(later).is_empty(), "reported once");
+        // A slice that arrives before its Service is not reported once the Service is there.
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("b", "b-x", &["10.0.0.4"]))));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.2", "b"))));
+        p.flush();
+        assert!(p.orphan_slices(Instant::now() + ORPHAN_GRACE).is_empty());
         // Deleting a Service before its slices is the normal order of things: not reported.
         p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.1", "a"))));
-        assert!(p.flush().problems.is_empty());
+        p.flush();
+        assert!(p.orphan_slices(Instant::now() + ORPHAN_GRACE).is_empty());
     }
 
     #[test]

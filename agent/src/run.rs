@@ -319,6 +319,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             _ = tick.tick() => {
                 state.beat();
+                let orphans = pipeline.orphan_slices(Instant::now());
+                if !orphans.is_empty() {
+                    metrics.observe_problems(&orphans);
+                    if let Some(ev) = problem_events.as_mut() {
+                        ev.report(&orphans);
+                    }
+                }
                 mgr.tick(Instant::now());
                 links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
                 if let Ok(stats) = mgr.attacher_mut().stats() {

@@ -81,6 +81,8 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
     api.apply(slice("web", &[0, 1, 2]));
     // Two Services claiming one frontend: the second cannot be programmed.
     api.apply(service("zz-clash", "198.19.0.10", 80));
+    // A slice whose Service does not exist.
+    api.apply(slice("ghost", &[1]));
     api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "lab-node"},
                      "status": {"addresses": [{"type": "InternalIP", "address": "198.18.2.1"}]}}));
 
@@ -120,6 +122,21 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
     let body = event.body.unwrap();
     assert_eq!(body["reason"], "ServiceNotProgrammed", "{body}");
     assert!(body["note"].as_str().unwrap().contains("already used by service lab/web"), "{body}");
+    // The slice without a Service is reported on the EndpointSlice (after a grace period:
+    // a slice may arrive before its Service).
+    let mut event = None;
+    for _ in 0..100 {
+        event = api.requests().into_iter().find(|r| {
+            r.method == "POST" && r.path.contains("events") && r.body.as_ref().is_some_and(|b| b["regarding"]["kind"] == "EndpointSlice")
+        });
+        if event.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body = event.expect("an Event for the slice without a Service").body.unwrap();
+    assert_eq!(body["regarding"]["name"], "ghost-1", "{body}");
+    assert!(body["note"].as_str().unwrap().contains("Service lab/ghost, which does not exist"), "{body}");
     agent.terminate();
     let _ = std::fs::remove_dir_all(&bpffs);
     let _ = std::fs::remove_dir_all(&dir);
