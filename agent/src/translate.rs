@@ -350,6 +350,24 @@ status:
         assert_eq!(fes, ["10.96.0.10:80/tcp", "198.51.100.7:80/tcp", "203.0.113.5:80/tcp", "192.0.2.10:30080/tcp"]);
     }
 
+    #[test]
+    fn load_balancer_ips_in_proxy_mode_are_left_to_the_load_balancer() {
+        let s = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80, nodePort: 30080}]
+status:
+  loadBalancer: {ingress: [{ip: 203.0.113.5, ipMode: Proxy}, {ip: 203.0.113.6, ipMode: VIP}, {ip: 203.0.113.7}]}
+"#;
+        let t = translate(&svc(s), &[&slice(SLICE)], &node());
+        let fes: Vec<String> = t.frontends.iter().map(|(f, _)| f.to_string()).collect();
+        assert_eq!(fes, ["10.96.0.10:80/tcp", "203.0.113.6:80/tcp", "203.0.113.7:80/tcp", "192.0.2.10:30080/tcp"]);
+    }
+
     const DUAL_SVC: &str = r#"
 apiVersion: v1
 kind: Service

@@ -197,7 +197,9 @@ impl From<&Service> for ServiceView {
             }
         }
         let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-        for ip in ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()) {
+        // `ipMode: Proxy` (KEP-1860): the load balancer proxies and must see the traffic, so
+        // the node does not short-circuit its IP (as kube-proxy).
+        for ip in ingress.into_iter().flatten().filter(|i| i.ip_mode.as_deref() != Some("Proxy")).filter_map(|i| i.ip.as_ref()) {
             match ip.parse::<IpAddr>() {
                 Ok(a) => v.keep("loadBalancer ingress", a, Dest::LoadBalancer),
                 Err(_) => v.problems.push(format!("loadBalancer ingress {ip:?} is not an IP address")),
