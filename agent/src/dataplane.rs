@@ -519,6 +519,80 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
     Ok(d)
 }
 
+/// Deletes the conntrack entries of flows from `stale` frontends to the given (removed)
+/// backends, in both families: the forward entry, its reply entry and, for a source-NATed
+/// flow, its source-NAT pair. The next packet of such a flow then selects a current backend.
+/// Walks the whole map: call it off the run loop. Returns the number of flows removed.
+pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::model::Backend)]) -> Result<usize> {
+    use std::collections::HashSet;
+    use std::net::IpAddr;
+    let key_of = |fe: &crate::model::Frontend, be: &crate::model::Backend| match (fe.addr, be.addr) {
+        (IpAddr::V4(f), IpAddr::V4(b)) => Some((IpAddr::V4(f), fe.port, fe.proto.number(), IpAddr::V4(b), be.port)),
+        (IpAddr::V6(f), IpAddr::V6(b)) => Some((IpAddr::V6(f), fe.port, fe.proto.number(), IpAddr::V6(b), be.port)),
+        _ => None,
+    };
+    let wanted: HashSet<_> = stale.iter().filter_map(|(f, b)| key_of(f, b)).collect();
+    if wanted.is_empty() {
+        return Ok(0);
+    }
+    let mut purged = 0;
+    if wanted.iter().any(|k| k.0.is_ipv4()) {
+        let data = MapData::from_pin(pin_dir.join(MAP_CT))?;
+        let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(data))?;
+        let mut doomed = Vec::new();
+        for (k, v) in ct.iter().filter_map(|r| r.ok()) {
+            if k.dir != CT_DIR_FORWARD {
+                continue;
+            }
+            let id = (IpAddr::V4(u32::from_be(k.daddr).into()), u16::from_be(k.dport), k.proto, IpAddr::V4(u32::from_be(v.addr).into()), u16::from_be(v.port));
+            if !wanted.contains(&id) {
+                continue;
+            }
+            doomed.push(k);
+            doomed.push(CtKey4 { saddr: v.addr, daddr: k.saddr, sport: v.port, dport: k.sport, proto: k.proto, dir: CT_DIR_REPLY, _pad: 0 });
+            if v.flags & CT_FLAG_SNAT != 0 {
+                let fwd = CtKey4 { saddr: k.saddr, daddr: v.addr, sport: k.sport, dport: v.port, proto: k.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+                if let Ok(n) = ct.get(&fwd, 0) {
+                    doomed.push(CtKey4 { saddr: v.addr, daddr: n.addr, sport: v.port, dport: n.port, proto: k.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 });
+                }
+                doomed.push(fwd);
+            }
+            purged += 1;
+        }
+        for k in doomed {
+            let _ = ct.remove(&k);
+        }
+    }
+    if wanted.iter().any(|k| k.0.is_ipv6()) {
+        let data = MapData::from_pin(pin_dir.join(MAP_CT6))?;
+        let mut ct: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(data))?;
+        let mut doomed = Vec::new();
+        for (k, v) in ct.iter().filter_map(|r| r.ok()) {
+            if k.dir != CT_DIR_FORWARD {
+                continue;
+            }
+            let id = (IpAddr::V6(ip6_octets(k.daddr).into()), u16::from_be(k.dport), k.proto, IpAddr::V6(ip6_octets(v.addr).into()), u16::from_be(v.port));
+            if !wanted.contains(&id) {
+                continue;
+            }
+            doomed.push(k);
+            doomed.push(CtKey6 { saddr: v.addr, daddr: k.saddr, sport: v.port, dport: k.sport, proto: k.proto, dir: CT_DIR_REPLY, _pad: 0 });
+            if v.flags & CT_FLAG_SNAT != 0 {
+                let fwd = CtKey6 { saddr: k.saddr, daddr: v.addr, sport: k.sport, dport: v.port, proto: k.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+                if let Ok(n) = ct.get(&fwd, 0) {
+                    doomed.push(CtKey6 { saddr: v.addr, daddr: n.addr, sport: v.port, dport: n.port, proto: k.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 });
+                }
+                doomed.push(fwd);
+            }
+            purged += 1;
+        }
+        for k in doomed {
+            let _ = ct.remove(&k);
+        }
+    }
+    Ok(purged)
+}
+
 /// Number of entries in the pinned conntrack map (for `lb list` and metrics).
 pub fn conntrack_entries(pin_dir: &Path) -> Result<usize> {
     let data = MapData::from_pin(pin_dir.join(MAP_CT))?;

@@ -461,6 +461,11 @@ impl LbState {
         self.frontends.contains_key(fe)
     }
 
+    /// The backends `fe` is programmed with (empty if it is not).
+    pub fn backends_of(&self, fe: &Frontend) -> Vec<Backend> {
+        self.frontends.get(fe).map_or_else(Vec::new, |p| p.slots.iter().filter_map(|id| self.by_id.get(id)).map(|((b, _), _)| *b).collect())
+    }
+
     pub fn backend_count(&self) -> usize {
         self.backends.len()
     }

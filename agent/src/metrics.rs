@@ -382,6 +382,7 @@ mod tests {
             problems: vec![problem(
                 "frontend 10.96.0.1:80/TCP: map backends is full (put 7)",
             )],
+            ..Default::default()
         };
         m.observe_flush(&report, Duration::from_millis(3));
         m.observe_programming_latency(Duration::from_millis(12));

@@ -10,7 +10,7 @@ use std::{
 
 use crate::{
     lbmap::{LbMaps, LbState, Writes},
-    model::Frontend,
+    model::{Backend, Frontend, Proto},
     source::SourceEvent,
     translate::{self, NodeInfo, Problem, ProblemObject},
     view::{ServiceView, SliceView},
@@ -35,6 +35,10 @@ pub struct FlushReport {
     pub services: usize,
     pub writes: Writes,
     pub problems: Vec<Problem>,
+    /// UDP frontends and the backends they lost: conntrack entries of such flows must go,
+    /// or a long-lived client socket keeps sending to the old backend (kube-proxy clears
+    /// them too). TCP flows end by themselves.
+    pub stale_udp: Vec<(Frontend, Backend)>,
 }
 
 pub struct Pipeline<M: LbMaps> {
@@ -313,9 +317,12 @@ impl<M: LbMaps> Pipeline<M> {
                     self.contenders.entry(*fe).or_default().insert(o);
                 }
             }
+            let before = if fe.proto == Proto::Udp { self.lb.backends_of(fe) } else { Vec::new() };
             match self.lb.upsert(&mut self.maps, fe, spec) {
                 Ok(w) => {
                     rep.writes += w;
+                    let now: HashSet<&Backend> = spec.backends.iter().collect();
+                    rep.stale_udp.extend(before.into_iter().filter(|b| !now.contains(b)).map(|b| (*fe, b)));
                     self.owner.insert(*fe, key.into());
                     now_owned.insert(*fe);
                     if let Some(c) = self.contenders.get_mut(fe) {
@@ -332,8 +339,12 @@ impl<M: LbMaps> Pipeline<M> {
             }
         }
         for fe in old.difference(&now_owned) {
+            let before = if fe.proto == Proto::Udp { self.lb.backends_of(fe) } else { Vec::new() };
             match self.lb.delete(&mut self.maps, fe) {
-                Ok(w) => rep.writes += w,
+                Ok(w) => {
+                    rep.writes += w;
+                    rep.stale_udp.extend(before.into_iter().map(|b| (*fe, b)));
+                }
                 Err(e) => {
                     self.map_error(rep, key, format!("deleting frontend {fe}: {e}"));
                     continue;
@@ -521,6 +532,27 @@ mod tests {
         p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.1", "a"))));
         p.flush();
         assert!(p.orphan_slices(Instant::now() + ORPHAN_GRACE).is_empty());
+    }
+
+    #[test]
+    fn udp_backends_that_leave_are_reported_for_conntrack_cleanup() {
+        let mut p = pipeline();
+        let udp = |ip: &str, name: &str| svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 53, protocol: UDP}}, {{port: 80}}]}}"));
+        let eps2 = |svc_name: &str, ips: &[&str]| {
+            let e: Vec<String> = ips.iter().map(|i| format!("{{addresses: [{i}]}}")).collect();
+            slice(&format!("metadata: {{name: {svc_name}-x, namespace: d, labels: {{kubernetes.io/service-name: {svc_name}}}}}\naddressType: IPv4\nports: [{{port: 5353, protocol: UDP}}, {{port: 8080}}]\nendpoints: [{}]", e.join(",")))
+        };
+        p.handle(SourceEvent::ServiceApplied(Arc::new(udp("10.96.0.1", "dns"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps2("dns", &["10.0.0.1", "10.0.0.2"]))));
+        p.handle(SourceEvent::Synced);
+        assert!(p.flush().stale_udp.is_empty());
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps2("dns", &["10.0.0.2", "10.0.0.3"]))));
+        let r = p.flush();
+        let stale: Vec<String> = r.stale_udp.iter().map(|(f, b)| format!("{f} {b}")).collect();
+        assert_eq!(stale, ["10.96.0.1:53/udp 10.0.0.1:5353"], "UDP only; TCP flows end by themselves");
+        p.handle(SourceEvent::ServiceDeleted(Arc::new(udp("10.96.0.1", "dns"))));
+        let r = p.flush();
+        assert_eq!(r.stale_udp.len(), 2, "{:?}", r.stale_udp);
     }
 
     #[test]

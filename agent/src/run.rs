@@ -276,6 +276,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let t_flush = Instant::now();
                 let rep = pipeline.flush();
                 metrics.observe_flush(&rep, t_flush.elapsed());
+                if !rep.stale_udp.is_empty() {
+                    // Walks the conntrack map: off the run loop.
+                    let (bpffs, stale) = (args.bpffs.clone(), rep.stale_udp.clone());
+                    tokio::task::spawn_blocking(move || match dataplane::purge_conntrack(&bpffs, &stale) {
+                        Ok(n) => tracing::debug!("removed {n} UDP flows to {} departed backends", stale.len()),
+                        Err(e) => tracing::warn!("removing UDP flows to departed backends: {e:#}"),
+                    });
+                }
                 if let Some(ev) = problem_events.as_mut() {
                     ev.report(&rep.problems);
                 }

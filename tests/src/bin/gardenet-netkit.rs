@@ -50,6 +50,9 @@ enum Cmd {
         /// A new socket (new source port, so a new conntrack flow) per datagram.
         #[arg(long)]
         fresh_socket: bool,
+        /// Send from this local port (one flow across runs, as a long-lived client socket).
+        #[arg(long)]
+        bind_port: Option<u16>,
     },
     /// Connect, then report getpeername() and the answering backend (TCP, or connected UDP).
     Peername {
@@ -105,7 +108,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Serve { name, port } => serve(&name, port),
         Cmd::Tcp { to, count, timeout_ms, bind_port } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port),
-        Cmd::Udp { to, count, timeout_ms, fresh_socket } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket),
+        Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket, bind_port),
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
         Cmd::Bulk { to, bytes, pace_ms } => bulk(to, bytes.min(1 << 30), pace_ms),
@@ -271,8 +274,12 @@ fn any_for(to: SocketAddr) -> SocketAddr {
     if to.is_ipv6() { "[::]:0".parse().unwrap() } else { "0.0.0.0:0".parse().unwrap() }
 }
 
-fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool) -> Result<()> {
-    let mut s = UdpSocket::bind(any_for(to))?;
+fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool, bind_port: Option<u16>) -> Result<()> {
+    let local = match bind_port {
+        Some(p) => SocketAddr::new(any_for(to).ip(), p),
+        None => any_for(to),
+    };
+    let mut s = UdpSocket::bind(local)?;
     s.set_read_timeout(Some(timeout))?;
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut sources: BTreeMap<String, u32> = BTreeMap::new();
