@@ -519,9 +519,20 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
     }
     writeln!(out, "{:<28} {}", "FRONTEND", "BACKENDS")?;
     for f in fes {
-        let bes: Vec<String> = f.backends.iter().map(|b| b.to_string()).collect();
-        let bes = if bes.is_empty() { "(none: connections refused)".to_string() } else { bes.join(" ") };
-        writeln!(out, "{:<28} {}", f.frontend.to_string(), bes)?;
+        // "*" marks an endpoint on another node.
+        let bes: Vec<String> = f.backends.iter().map(|b| if b.remote { format!("{b}*") } else { b.to_string() }).collect();
+        let mut line = if bes.is_empty() { "(none: connections refused)".to_string() } else { bes.join(" ") };
+        if f.snat_remote && f.backends.iter().any(|b| b.remote) {
+            line.push_str("  [source NAT to * endpoints]");
+        }
+        if !f.source_ranges.is_empty() {
+            let r: Vec<String> = f.source_ranges.iter().map(|c| c.to_string()).collect();
+            line.push_str(&format!("  [only from {}]", r.join(", ")));
+        }
+        if f.affinity_timeout > 0 {
+            line.push_str(&format!("  [ClientIP affinity {}s]", f.affinity_timeout));
+        }
+        writeln!(out, "{:<28} {}", f.frontend.to_string(), line)?;
     }
     if let Ok(n) = dataplane::conntrack_entries(bpffs) {
         writeln!(out, "conntrack entries: {n}")?;
