@@ -2,7 +2,8 @@
 //! that has no backends and no local listener. A fresh TCP SYN still goes on to TC, which
 //! answers it with a RST (the client sees "connection refused" at once instead of a
 //! timeout; XDP_TX could do that too, but on veth it only works when the peer runs NAPI).
-//! All other traffic passes untouched to TC, where the LB proper happens.
+//! All other traffic passes untouched to TC, where the LB proper happens. IPv4 and IPv6 (an
+//! IPv6 packet with extension headers before TCP/UDP is passed on to TC).
 use core::mem::size_of;
 
 use aya_ebpf::{
@@ -14,7 +15,7 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{stat, GN_SVC4};
+use crate::{stat, GN_SVC4, GN_SVC6};
 
 const ETH_HLEN: usize = 14;
 
@@ -43,8 +44,10 @@ fn at<T: Copy>(p: &Pkt, off: usize) -> Option<T> {
 
 #[inline(always)]
 fn check(ctx: &Pkt) -> Option<u32> {
-    if u16::from_be(at::<u16>(ctx, 12)?) != 0x0800 {
-        return None;
+    match u16::from_be(at::<u16>(ctx, 12)?) {
+        0x0800 => {}
+        0x86DD => return check6(ctx),
+        _ => return None,
     }
     let vhl: u8 = at(ctx, ETH_HLEN)?;
     let ihl = ((vhl & 0x0f) as usize) * 4;
@@ -110,3 +113,63 @@ fn check(ctx: &Pkt) -> Option<u32> {
     Some(XDP_DROP)
 }
 
+
+/// IPv6 twin of `check`.
+#[inline(always)]
+fn check6(ctx: &Pkt) -> Option<u32> {
+    let v: u8 = at(ctx, ETH_HLEN)?;
+    if v >> 4 != 6 {
+        return None;
+    }
+    let proto: u8 = at(ctx, ETH_HLEN + 6)?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    let saddr: Ip6 = at(ctx, ETH_HLEN + 8)?;
+    let daddr: Ip6 = at(ctx, ETH_HLEN + 24)?;
+    let base = ctx.start + ETH_HLEN + 40;
+    if base + 4 > ctx.end {
+        return None;
+    }
+    // SAFETY: [base, base + 4) checked just above (one base pointer, constant offsets).
+    let (sport, dport) = unsafe {
+        (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16))
+    };
+    let master = unsafe { GN_SVC6.get(&ServiceKey6::master(daddr, dport, proto)) }?;
+    if master.count != 0 {
+        return None;
+    }
+    if proto == PROTO_TCP {
+        if base + 14 > ctx.end {
+            return None;
+        }
+        // SAFETY: checked just above (same base pointer).
+        let flags: u8 = unsafe { core::ptr::read_unaligned((base + 13) as *const u8) };
+        if flags & 0x12 == 0x02 {
+            return None; // a fresh SYN: TC answers it with a RST
+        }
+    }
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    unsafe {
+        let v6 = &mut tuple.__bindgen_anon_1.ipv6;
+        v6.saddr = saddr;
+        v6.daddr = daddr;
+        v6.sport = sport;
+        v6.dport = dport;
+    }
+    let size = 36; // sizeof(tuple.ipv6)
+    let netns = u64::MAX; // BPF_F_CURRENT_NETNS
+    let sk = unsafe {
+        if proto == PROTO_TCP {
+            bpf_skc_lookup_tcp(ctx.ctx.as_ptr(), &mut tuple, size, netns, 0)
+        } else {
+            bpf_sk_lookup_udp(ctx.ctx.as_ptr(), &mut tuple, size, netns, 0)
+        }
+    };
+    if !sk.is_null() {
+        unsafe { bpf_sk_release(sk.cast()) };
+        return Some(XDP_PASS);
+    }
+    stat(Stat::XdpDropNoBackend);
+    Some(XDP_DROP)
+}

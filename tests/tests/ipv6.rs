@@ -143,8 +143,12 @@ fn zero_backends_v6_refuse_at_once() {
         let ms = v["elapsed_ms"].as_f64().unwrap();
         assert!(ms < 100.0, "refusal took {ms} ms: {v}");
     }
+    // Other IPv6 traffic to the empty frontend is dropped by XDP on the wire side.
+    let u = lab.client_json(false, &["udp", "--to", &vip6(), "--count", "5", "--timeout-ms", "100"]).unwrap();
+    assert_eq!(u["errors"]["WouldBlock"], 5, "{u}");
     agent.stop();
     let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("xdp_drop_no_backend=5"), "{log}");
     assert!(log.contains("tc_no_backend_reset=1"), "the v6 SYN was answered by TC: {log}");
     assert!(log.contains("sock_no_backend=1"), "{log}");
 }
