@@ -1,6 +1,7 @@
 //! Loads the embedded eBPF object, pins its maps, attaches socket LB to a cgroup2 directory
 //! and TC LB to interfaces, and gives the map writer typed access to the maps.
 use std::{
+    collections::HashSet,
     fs,
     path::{Path, PathBuf},
 };
@@ -524,73 +525,90 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
 /// flow, its source-NAT pair. The next packet of such a flow then selects a current backend.
 /// Walks the whole map: call it off the run loop. Returns the number of flows removed.
 pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::model::Backend)]) -> Result<usize> {
-    use std::collections::HashSet;
     use std::net::IpAddr;
-    let key_of = |fe: &crate::model::Frontend, be: &crate::model::Backend| match (fe.addr, be.addr) {
-        (IpAddr::V4(f), IpAddr::V4(b)) => Some((IpAddr::V4(f), fe.port, fe.proto.number(), IpAddr::V4(b), be.port)),
-        (IpAddr::V6(f), IpAddr::V6(b)) => Some((IpAddr::V6(f), fe.port, fe.proto.number(), IpAddr::V6(b), be.port)),
-        _ => None,
-    };
-    let wanted: HashSet<_> = stale.iter().filter_map(|(f, b)| key_of(f, b)).collect();
-    if wanted.is_empty() {
-        return Ok(0);
-    }
+    let wanted: HashSet<FlowId> = stale
+        .iter()
+        .filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4())
+        .map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port))
+        .collect();
     let mut purged = 0;
     if wanted.iter().any(|k| k.0.is_ipv4()) {
-        let data = MapData::from_pin(pin_dir.join(MAP_CT))?;
-        let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-        let mut doomed = Vec::new();
-        for (k, v) in ct.iter().filter_map(|r| r.ok()) {
-            if k.dir != CT_DIR_FORWARD {
-                continue;
-            }
-            let id = (IpAddr::V4(u32::from_be(k.daddr).into()), u16::from_be(k.dport), k.proto, IpAddr::V4(u32::from_be(v.addr).into()), u16::from_be(v.port));
-            if !wanted.contains(&id) {
-                continue;
-            }
-            doomed.push(k);
-            doomed.push(CtKey4 { saddr: v.addr, daddr: k.saddr, sport: v.port, dport: k.sport, proto: k.proto, dir: CT_DIR_REPLY, _pad: 0 });
-            if v.flags & CT_FLAG_SNAT != 0 {
-                let fwd = CtKey4 { saddr: k.saddr, daddr: v.addr, sport: k.sport, dport: v.port, proto: k.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
-                if let Ok(n) = ct.get(&fwd, 0) {
-                    doomed.push(CtKey4 { saddr: v.addr, daddr: n.addr, sport: v.port, dport: n.port, proto: k.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 });
-                }
-                doomed.push(fwd);
-            }
-            purged += 1;
-        }
-        for k in doomed {
-            let _ = ct.remove(&k);
-        }
+        let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT))?))?;
+        purged += purge_family(&mut ct, &wanted, |a| IpAddr::V4(u32::from_be(a).into()));
     }
     if wanted.iter().any(|k| k.0.is_ipv6()) {
-        let data = MapData::from_pin(pin_dir.join(MAP_CT6))?;
-        let mut ct: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-        let mut doomed = Vec::new();
-        for (k, v) in ct.iter().filter_map(|r| r.ok()) {
-            if k.dir != CT_DIR_FORWARD {
-                continue;
-            }
-            let id = (IpAddr::V6(ip6_octets(k.daddr).into()), u16::from_be(k.dport), k.proto, IpAddr::V6(ip6_octets(v.addr).into()), u16::from_be(v.port));
-            if !wanted.contains(&id) {
-                continue;
-            }
-            doomed.push(k);
-            doomed.push(CtKey6 { saddr: v.addr, daddr: k.saddr, sport: v.port, dport: k.sport, proto: k.proto, dir: CT_DIR_REPLY, _pad: 0 });
-            if v.flags & CT_FLAG_SNAT != 0 {
-                let fwd = CtKey6 { saddr: k.saddr, daddr: v.addr, sport: k.sport, dport: v.port, proto: k.proto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
-                if let Ok(n) = ct.get(&fwd, 0) {
-                    doomed.push(CtKey6 { saddr: v.addr, daddr: n.addr, sport: v.port, dport: n.port, proto: k.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 });
-                }
-                doomed.push(fwd);
-            }
-            purged += 1;
-        }
-        for k in doomed {
-            let _ = ct.remove(&k);
-        }
+        let mut ct: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT6))?))?;
+        purged += purge_family(&mut ct, &wanted, |a| IpAddr::V6(ip6_octets(a).into()));
     }
     Ok(purged)
+}
+
+/// (frontend address, port, protocol, backend address, port), host byte order.
+type FlowId = (std::net::IpAddr, u16, u8, std::net::IpAddr, u16);
+
+/// A conntrack key of either family, as `purge_conntrack` needs it.
+trait CtEntry: aya::Pod + Copy {
+    type Addr: Copy;
+    type Value: aya::Pod + Copy;
+    fn parts(&self) -> (Self::Addr, Self::Addr, u16, u16, u8, u8);
+    fn new(saddr: Self::Addr, daddr: Self::Addr, sport: u16, dport: u16, proto: u8, dir: u8) -> Self;
+    fn value(v: &Self::Value) -> (Self::Addr, u16, u16);
+}
+
+impl CtEntry for CtKey4 {
+    type Addr = u32;
+    type Value = CtValue4;
+    fn parts(&self) -> (u32, u32, u16, u16, u8, u8) {
+        (self.saddr, self.daddr, self.sport, self.dport, self.proto, self.dir)
+    }
+    fn new(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
+        CtKey4 { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
+    }
+    fn value(v: &CtValue4) -> (u32, u16, u16) {
+        (v.addr, v.port, v.flags)
+    }
+}
+
+impl CtEntry for CtKey6 {
+    type Addr = Ip6;
+    type Value = CtValue6;
+    fn parts(&self) -> (Ip6, Ip6, u16, u16, u8, u8) {
+        (self.saddr, self.daddr, self.sport, self.dport, self.proto, self.dir)
+    }
+    fn new(saddr: Ip6, daddr: Ip6, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
+        CtKey6 { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
+    }
+    fn value(v: &CtValue6) -> (Ip6, u16, u16) {
+        (v.addr, v.port, v.flags)
+    }
+}
+
+/// `purge_conntrack` for one family's map (`ip` turns a map address into an `IpAddr`).
+fn purge_family<K: CtEntry>(ct: &mut BpfHashMap<MapData, K, K::Value>, wanted: &HashSet<FlowId>, ip: impl Fn(K::Addr) -> std::net::IpAddr) -> usize {
+    let mut doomed = Vec::new();
+    let mut purged = 0;
+    for (k, v) in ct.iter().filter_map(|r| r.ok()) {
+        let (client, fe, client_port, fe_port, proto, dir) = k.parts();
+        let (be, be_port, flags) = K::value(&v);
+        if dir != CT_DIR_FORWARD || !wanted.contains(&(ip(fe), u16::from_be(fe_port), proto, ip(be), u16::from_be(be_port))) {
+            continue;
+        }
+        doomed.push(k);
+        doomed.push(K::new(be, client, be_port, client_port, proto, CT_DIR_REPLY));
+        if flags & CT_FLAG_SNAT != 0 {
+            let fwd = K::new(client, be, client_port, be_port, proto, CT_DIR_SNAT_FWD);
+            if let Ok(n) = ct.get(&fwd, 0) {
+                let (nat, nat_port, _) = K::value(&n);
+                doomed.push(K::new(be, nat, be_port, nat_port, proto, CT_DIR_SNAT_REPLY));
+            }
+            doomed.push(fwd);
+        }
+        purged += 1;
+    }
+    for k in doomed {
+        let _ = ct.remove(&k);
+    }
+    purged
 }
 
 /// Number of entries in the pinned conntrack map (for `lb list` and metrics).

@@ -21,7 +21,6 @@ use gardenet_tests::{
 use serde_json::Value;
 
 const NODE_NAME: &str = "lab-node";
-const CLIENT: &str = "198.18.5.2";
 const NODE_ADDR: &str = "198.18.5.1";
 const NODE_TO_NODE3: &str = "198.18.7.1";
 const POD: &str = "198.18.8.10";
