@@ -517,7 +517,7 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
         writeln!(out)?;
         return Ok(());
     }
-    writeln!(out, "{:<28} {}", "FRONTEND", "BACKENDS")?;
+    writeln!(out, "{:<28} BACKENDS", "FRONTEND")?;
     for f in fes {
         // "*" marks an endpoint on another node.
         let bes: Vec<String> = f.backends.iter().map(|b| if b.remote { format!("{b}*") } else { b.to_string() }).collect();
