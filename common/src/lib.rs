@@ -116,8 +116,10 @@ pub enum Stat {
     TcSnatFailed = 14,
     /// A client outside the frontend's `loadBalancerSourceRanges`: dropped.
     TcSourceRangeDrop = 15,
+    /// An ICMP error about a translated flow, rewritten for its backend.
+    TcIcmpRevNat = 16,
 }
-pub const STATS_LEN: u32 = 16;
+pub const STATS_LEN: u32 = 17;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -135,6 +137,7 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_snat_revnat",
     "tc_snat_failed",
     "tc_source_range_drop",
+    "tc_icmp_revnat",
 ];
 
 /// Key of `GN_SVC4`.

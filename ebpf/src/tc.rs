@@ -87,7 +87,7 @@ pub fn gn_tc_ingress(ctx: TcContext) -> i32 {
     }
     match parse(&ctx) {
         Some(flow) => ingress(&ctx, &flow).unwrap_or(PASS),
-        None => PASS,
+        None => icmp_error(&ctx).unwrap_or(PASS),
     }
 }
 
@@ -445,6 +445,96 @@ fn snat(ctx: &TcContext, f: &Flow, addr: u32, port: u16) -> Option<()> {
     ctx.store(IP_SRC_OFF, &addr, 0).ok()?;
     ctx.store(f.l4, &port, 0).ok()?;
     Some(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// ICMP errors about translated flows. A router between this node and the client reports a
+// problem with a reply (above all "fragmentation needed", which path MTU discovery lives on)
+// to the reply's source: the frontend, i.e. this node. The backend that sent it must hear it,
+// so the error is rewritten as the backend would have received it without the translation:
+// outer destination -> backend; the quoted packet's source (frontend) -> backend, and for a
+// source-NATed flow its destination (client) -> the node address and port the backend saw.
+// Checksums: outer IP, quoted IP, and the ICMP checksum over every changed quoted word (the
+// quoted L4 checksum is not fixed: stacks do not check it in an ICMP error).
+
+const PROTO_ICMP: u8 = 1;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+
+#[inline(never)]
+fn icmp_error(ctx: &TcContext) -> Option<i32> {
+    if u16::from_be(ctx.load::<u16>(12).ok()?) != ETH_P_IP {
+        return None;
+    }
+    let vhl: u8 = ctx.load(ETH_HLEN).ok()?;
+    let ihl = ((vhl & 0x0f) as usize) * 4;
+    if vhl >> 4 != 4 || ihl < 20 || ctx.load::<u8>(ETH_HLEN + 9).ok()? != PROTO_ICMP {
+        return None;
+    }
+    if u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?) & 0x3fff != 0 {
+        return None;
+    }
+    let icmp = ETH_HLEN + (ihl & 0x3c);
+    let ty: u8 = ctx.load(icmp).ok()?;
+    if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED {
+        return None;
+    }
+    let inner = icmp + 8;
+    let ivhl: u8 = ctx.load(inner).ok()?;
+    let iihl = ((ivhl & 0x0f) as usize) * 4;
+    if ivhl >> 4 != 4 || iihl < 20 {
+        return None;
+    }
+    let iproto: u8 = ctx.load(inner + 9).ok()?;
+    if iproto != PROTO_TCP && iproto != PROTO_UDP {
+        return None;
+    }
+    let isrc: u32 = ctx.load(inner + 12).ok()?;
+    let idst: u32 = ctx.load(inner + 16).ok()?;
+    let il4 = inner + (iihl & 0x3c);
+    let isport: u16 = ctx.load(il4).ok()?;
+    let idport: u16 = ctx.load(il4 + 2).ok()?;
+    // The quoted packet went frontend -> client: its flow's forward key is client -> frontend.
+    let fkey = CtKey4 { saddr: idst, daddr: isrc, sport: idport, dport: isport, proto: iproto, dir: CT_DIR_FORWARD, _pad: 0 };
+    let ct = unsafe { GN_CT4.get(&fkey) }?;
+    let (be, be_port, flags) = (ct.addr, ct.port, ct.flags);
+    let csum = icmp + 2;
+    let outer_dst: u32 = ctx.load(IP_DST_OFF).ok()?;
+    // Quoted source: frontend -> backend (address, its header checksum, port).
+    icmp_rewrite32(ctx, csum, inner + 12, inner + 10, isrc, be)?;
+    icmp_rewrite16(ctx, csum, il4, isport, be_port)?;
+    if flags & CT_FLAG_SNAT != 0 {
+        // Quoted destination: client -> the node address and port the backend sent to.
+        let skey = CtKey4 { saddr: idst, daddr: be, sport: idport, dport: be_port, proto: iproto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+        let n = unsafe { GN_CT4.get(&skey) }?;
+        let (nat, nat_port) = (n.addr, n.port);
+        icmp_rewrite32(ctx, csum, inner + 16, inner + 10, idst, nat)?;
+        icmp_rewrite16(ctx, csum, il4 + 2, idport, nat_port)?;
+    }
+    // Outer destination: this node -> the backend (the stack forwards it there).
+    ctx.l3_csum_replace(IP_CSUM_OFF, outer_dst as u64, be as u64, 4).ok()?;
+    ctx.store(IP_DST_OFF, &be, 0).ok()?;
+    stat(Stat::TcIcmpRevNat);
+    Some(PASS)
+}
+
+/// Rewrites a 4-byte word of the quoted IP header (with its header checksum at `ip_csum`)
+/// inside an ICMP error, keeping the ICMP checksum at `icmp_csum` right.
+#[inline(always)]
+fn icmp_rewrite32(ctx: &TcContext, icmp_csum: usize, off: usize, ip_csum: usize, old: u32, new: u32) -> Option<()> {
+    let old_sum: u16 = ctx.load(ip_csum).ok()?;
+    ctx.l3_csum_replace(ip_csum, old as u64, new as u64, 4).ok()?;
+    let new_sum: u16 = ctx.load(ip_csum).ok()?;
+    ctx.store(off, &new, 0).ok()?;
+    ctx.l4_csum_replace(icmp_csum, old as u64, new as u64, 4).ok()?;
+    ctx.l4_csum_replace(icmp_csum, old_sum as u64, new_sum as u64, 2).ok()
+}
+
+/// Rewrites a quoted port inside an ICMP error, keeping the ICMP checksum right.
+#[inline(always)]
+fn icmp_rewrite16(ctx: &TcContext, icmp_csum: usize, off: usize, old: u16, new: u16) -> Option<()> {
+    ctx.store(off, &new, 0).ok()?;
+    ctx.l4_csum_replace(icmp_csum, old as u64, new as u64, 2).ok()
 }
 
 /// A new flow straight to a backend (not to a frontend) whose 4-tuple we still remember as the

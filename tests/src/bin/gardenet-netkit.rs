@@ -86,6 +86,9 @@ enum Cmd {
         /// Pause between chunks (ms): stretches a transfer so it spans an event (restart).
         #[arg(long, default_value_t = 0)]
         pace_ms: u64,
+        /// Bytes to receive back (default: BYTES).
+        #[arg(long)]
+        download: Option<u64>,
     },
     /// One HTTP GET; prints the status code and body.
     HttpGet {
@@ -111,7 +114,7 @@ fn main() -> Result<()> {
         Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket, bind_port),
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
-        Cmd::Bulk { to, bytes, pace_ms } => bulk(to, bytes.min(1 << 30), pace_ms),
+        Cmd::Bulk { to, bytes, pace_ms, download } => bulk(to, bytes.min(1 << 30), pace_ms, download.unwrap_or(bytes).min(1 << 30)),
         Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
         Cmd::HttpGet { to, path } => http_get(to, &path),
     }
@@ -370,7 +373,7 @@ fn connect(to: SocketAddr, timeout: Duration, ttl: Option<u32>, ipv6_dstopts: bo
     Ok(())
 }
 
-fn bulk(to: SocketAddr, bytes: u64, pace_ms: u64) -> Result<()> {
+fn bulk(to: SocketAddr, bytes: u64, pace_ms: u64, download: u64) -> Result<()> {
     let t0 = Instant::now();
     let s = TcpStream::connect_timeout(&to, Duration::from_secs(3))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -394,11 +397,11 @@ fn bulk(to: SocketAddr, bytes: u64, pace_ms: u64) -> Result<()> {
     let up_name = it.next().unwrap_or("").to_owned();
     let up_got: u64 = it.next().and_then(|n| n.parse().ok()).unwrap_or(0);
     // Download on the same connection: every reply packet crosses the reverse NAT.
-    writeln!(w, "SOURCE {bytes}")?;
+    writeln!(w, "SOURCE {download}")?;
     line.clear();
     r.read_line(&mut line)?;
     let down_name = line.trim().to_owned();
-    let down_got = std::io::copy(&mut (&mut r).take(bytes), &mut std::io::sink())?;
+    let down_got = std::io::copy(&mut (&mut r).take(download), &mut std::io::sink())?;
     if up_name.is_empty() {
         bail!("no answer to SINK");
     }
