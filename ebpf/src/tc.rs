@@ -82,7 +82,7 @@ pub fn gn_tc_ingress(ctx: TcContext) -> i32 {
     if is_ipv6(&ctx) {
         return match parse6(&ctx) {
             Some(flow) => ingress6(&ctx, &flow).unwrap_or(PASS),
-            None => PASS,
+            None => icmp6_error(&ctx).unwrap_or(PASS),
         };
     }
     match parse(&ctx) {
@@ -528,6 +528,64 @@ fn icmp_rewrite32(ctx: &TcContext, icmp_csum: usize, off: usize, ip_csum: usize,
     ctx.store(off, &new, 0).ok()?;
     ctx.l4_csum_replace(icmp_csum, old as u64, new as u64, 4).ok()?;
     ctx.l4_csum_replace(icmp_csum, old_sum as u64, new_sum as u64, 2).ok()
+}
+
+const PROTO_ICMPV6: u8 = 58;
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PKT_TOOBIG: u8 = 2;
+const ICMPV6_TIME_EXCEED: u8 = 3;
+
+/// IPv6 twin of `icmp_error` (packet too big, destination unreachable, time exceeded; the
+/// error directly after the fixed header). ICMPv6's checksum covers a pseudo header, so the
+/// outer destination is part of it too.
+#[inline(never)]
+fn icmp6_error(ctx: &TcContext) -> Option<i32> {
+    let v: u8 = ctx.load(ETH_HLEN).ok()?;
+    if v >> 4 != 6 || ctx.load::<u8>(IP6_NEXT_OFF).ok()? != PROTO_ICMPV6 {
+        return None;
+    }
+    let icmp = IP6_L4_OFF;
+    let ty: u8 = ctx.load(icmp).ok()?;
+    if ty != ICMPV6_DEST_UNREACH && ty != ICMPV6_PKT_TOOBIG && ty != ICMPV6_TIME_EXCEED {
+        return None;
+    }
+    let inner = icmp + 8;
+    let iproto: u8 = ctx.load(inner + 6).ok()?;
+    if iproto != PROTO_TCP && iproto != PROTO_UDP {
+        return None;
+    }
+    let isrc: Ip6 = ctx.load(inner + 8).ok()?;
+    let idst: Ip6 = ctx.load(inner + 24).ok()?;
+    let il4 = inner + 40;
+    let isport: u16 = ctx.load(il4).ok()?;
+    let idport: u16 = ctx.load(il4 + 2).ok()?;
+    let fkey = CtKey6 { saddr: idst, daddr: isrc, sport: idport, dport: isport, proto: iproto, dir: CT_DIR_FORWARD, _pad: 0 };
+    let ct = unsafe { GN_CT6.get(&fkey) }?;
+    let (be, be_port, flags) = (ct.addr, ct.port, ct.flags);
+    let csum = icmp + 2;
+    icmp6_rewrite_addr(ctx, csum, inner + 8, &isrc, &be, 0)?;
+    icmp_rewrite16(ctx, csum, il4, isport, be_port)?;
+    if flags & CT_FLAG_SNAT != 0 {
+        let skey = CtKey6 { saddr: idst, daddr: be, sport: idport, dport: be_port, proto: iproto, dir: CT_DIR_SNAT_FWD, _pad: 0 };
+        let n = unsafe { GN_CT6.get(&skey) }?;
+        let (nat, nat_port) = (n.addr, n.port);
+        icmp6_rewrite_addr(ctx, csum, inner + 24, &idst, &nat, 0)?;
+        icmp_rewrite16(ctx, csum, il4 + 2, idport, nat_port)?;
+    }
+    let outer_dst: Ip6 = ctx.load(IP6_DST_OFF).ok()?;
+    icmp6_rewrite_addr(ctx, csum, IP6_DST_OFF, &outer_dst, &be, BPF_F_PSEUDO_HDR)?;
+    stat(Stat::TcIcmpRevNat);
+    Some(PASS)
+}
+
+/// Rewrites a 16-byte address in an ICMPv6 error (`flags`: `BPF_F_PSEUDO_HDR` for the outer
+/// one), keeping the ICMPv6 checksum right.
+#[inline(always)]
+fn icmp6_rewrite_addr(ctx: &TcContext, icmp_csum: usize, off: usize, old: &Ip6, new: &Ip6, flags: u64) -> Option<()> {
+    for i in 0..4 {
+        ctx.l4_csum_replace(icmp_csum, old[i] as u64, new[i] as u64, flags | 4).ok()?;
+    }
+    ctx.store(off, new, 0).ok()
 }
 
 /// Rewrites a quoted port inside an ICMP error, keeping the ICMP checksum right.
