@@ -96,21 +96,27 @@ fn check(ctx: &Pkt) -> Option<u32> {
         v4.sport = sport;
         v4.dport = dport;
     }
-    let size = 12; // sizeof(tuple.ipv4)
+    Some(drop_unless_listener(ctx, &mut tuple, 12, proto)) // 12: sizeof(tuple.ipv4)
+}
+
+/// The verdict for traffic to a frontend without backends: pass it if a socket on this node
+/// owns the tuple's destination (`size`: of the tuple's address family part), else drop.
+#[inline(always)]
+fn drop_unless_listener(ctx: &Pkt, tuple: &mut bpf_sock_tuple, size: u32, proto: u8) -> u32 {
     let netns = u64::MAX; // BPF_F_CURRENT_NETNS
     let sk = unsafe {
         if proto == PROTO_TCP {
-            bpf_skc_lookup_tcp(ctx.ctx.as_ptr(), &mut tuple, size, netns, 0)
+            bpf_skc_lookup_tcp(ctx.ctx.as_ptr(), tuple, size, netns, 0)
         } else {
-            bpf_sk_lookup_udp(ctx.ctx.as_ptr(), &mut tuple, size, netns, 0)
+            bpf_sk_lookup_udp(ctx.ctx.as_ptr(), tuple, size, netns, 0)
         }
     };
     if !sk.is_null() {
         unsafe { bpf_sk_release(sk.cast()) };
-        return Some(XDP_PASS);
+        return XDP_PASS;
     }
     stat(Stat::XdpDropNoBackend);
-    Some(XDP_DROP)
+    XDP_DROP
 }
 
 
@@ -157,19 +163,5 @@ fn check6(ctx: &Pkt) -> Option<u32> {
         v6.sport = sport;
         v6.dport = dport;
     }
-    let size = 36; // sizeof(tuple.ipv6)
-    let netns = u64::MAX; // BPF_F_CURRENT_NETNS
-    let sk = unsafe {
-        if proto == PROTO_TCP {
-            bpf_skc_lookup_tcp(ctx.ctx.as_ptr(), &mut tuple, size, netns, 0)
-        } else {
-            bpf_sk_lookup_udp(ctx.ctx.as_ptr(), &mut tuple, size, netns, 0)
-        }
-    };
-    if !sk.is_null() {
-        unsafe { bpf_sk_release(sk.cast()) };
-        return Some(XDP_PASS);
-    }
-    stat(Stat::XdpDropNoBackend);
-    Some(XDP_DROP)
+    Some(drop_unless_listener(ctx, &mut tuple, 36, proto)) // 36: sizeof(tuple.ipv6)
 }

@@ -143,6 +143,27 @@ impl Netns {
     }
 }
 
+impl Netns {
+    /// A veth pair from this namespace (`dev`) to `peer` (`peer_dev`), both ends up, addressed
+    /// 198.18.N.a/24 + fd00:18:N::a/64 here and .b / ::b there (the same digits in both
+    /// families, so `(10, 2, 1)` gives 198.18.10.2 and fd00:18:10::2 here).
+    pub fn veth_dual(&self, dev: &str, peer: &Netns, peer_dev: &str, (net, a, b): (u8, u8, u8)) -> Result<()> {
+        self.ip(&["link", "add", dev, "type", "veth", "peer", "name", peer_dev, "netns", &peer.name])?;
+        for (ns, d, h) in [(self, dev, a), (peer, peer_dev, b)] {
+            ns.ip(&["addr", "add", &format!("198.18.{net}.{h}/24"), "dev", d])?;
+            ns.ip(&["-6", "addr", "add", &format!("fd00:18:{net}::{h}/64"), "dev", d, "nodad"])?;
+            ns.ip(&["link", "set", d, "up"])?;
+        }
+        Ok(())
+    }
+
+    /// One route per family: `v4` and `v6` are (destination, gateway).
+    pub fn route_dual(&self, v4: (&str, &str), v6: (&str, &str)) -> Result<()> {
+        self.ip(&["route", "add", v4.0, "via", v4.1])?;
+        self.ip(&["-6", "route", "add", v6.0, "via", v6.1])
+    }
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = ip(&["netns", "del", &self.name]);

@@ -25,28 +25,15 @@ fn icmp_fragmentation_needed_reaches_the_backend() {
     let tag = unique_tag();
     let ns = |s: &str| Netns::new(&format!("{tag}-{s}")).unwrap();
     let (client, router, node, pod) = (ns("cli"), ns("rtr"), ns("node"), ns("pod"));
-    // (subnet N, host a, host b): 198.18.N.a/24 and fd00:18:N::a/64 (same digits) on each end.
-    let veth = |a: &Netns, an: &str, b: &Netns, bn: &str, (net, ha, hb): (u8, u8, u8)| {
-        a.ip(&["link", "add", an, "type", "veth", "peer", "name", bn, "netns", &b.name]).unwrap();
-        for (ns, dev, h) in [(a, an, ha), (b, bn, hb)] {
-            ns.ip(&["addr", "add", &format!("198.18.{net}.{h}/24"), "dev", dev]).unwrap();
-            ns.ip(&["-6", "addr", "add", &format!("fd00:18:{net}::{h}/64"), "dev", dev, "nodad"]).unwrap();
-            ns.ip(&["link", "set", dev, "up"]).unwrap();
-        }
-    };
-    veth(&client, "c0", &router, "r0", (10, 2, 1));
-    veth(&router, "r1", &node, "n0", (11, 1, 2));
-    veth(&node, "p0", &pod, "e0", (12, 1, 10));
+    client.veth_dual("c0", &router, "r0", (10, 2, 1)).unwrap();
+    router.veth_dual("r1", &node, "n0", (11, 1, 2)).unwrap();
+    node.veth_dual("p0", &pod, "e0", (12, 1, 10)).unwrap();
     // The bottleneck: the router sends at most 1280 bytes toward the client, which itself
     // (MTU 1500) advertises an MSS of 1460.
     router.ip(&["link", "set", "r0", "mtu", "1280"]).unwrap();
-    let route = |n: &Netns, v4: (&str, &str), v6: (&str, &str)| {
-        n.ip(&["route", "add", v4.0, "via", v4.1]).unwrap();
-        n.ip(&["-6", "route", "add", v6.0, "via", v6.1]).unwrap();
-    };
-    route(&client, ("198.18.11.0/24", "198.18.10.1"), ("fd00:18:11::/64", "fd00:18:10::1"));
-    route(&node, ("198.18.10.0/24", "198.18.11.1"), ("fd00:18:10::/64", "fd00:18:11::1"));
-    route(&pod, ("198.18.0.0/16", "198.18.12.1"), ("fd00:18::/32", "fd00:18:12::1"));
+    client.route_dual(("198.18.11.0/24", "198.18.10.1"), ("fd00:18:11::/64", "fd00:18:10::1")).unwrap();
+    node.route_dual(("198.18.10.0/24", "198.18.11.1"), ("fd00:18:10::/64", "fd00:18:11::1")).unwrap();
+    pod.route_dual(("198.18.0.0/16", "198.18.12.1"), ("fd00:18::/32", "fd00:18:12::1")).unwrap();
     for n in [&router, &node] {
         n.sysctl("net.ipv4.ip_forward", "1").unwrap();
         n.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();

@@ -44,28 +44,15 @@ fn world() -> World {
     let tag = unique_tag();
     let ns = |s: &str| Netns::new(&format!("{tag}-{s}")).unwrap();
     let (client, node, node3, pod) = (ns("cli"), ns("node"), ns("n3"), ns("pod"));
-    // (subnet N, host a, host b): 198.18.N.a/24 and fd00:18:N::a/64 (same digits) on each end.
-    let veth = |a: &Netns, an: &str, b: &Netns, bn: &str, (net, ha, hb): (u8, u8, u8)| {
-        a.ip(&["link", "add", an, "type", "veth", "peer", "name", bn, "netns", &b.name]).unwrap();
-        for (ns, dev, h) in [(a, an, ha), (b, bn, hb)] {
-            ns.ip(&["addr", "add", &format!("198.18.{net}.{h}/24"), "dev", dev]).unwrap();
-            ns.ip(&["-6", "addr", "add", &format!("fd00:18:{net}::{h}/64"), "dev", dev, "nodad"]).unwrap();
-            ns.ip(&["link", "set", dev, "up"]).unwrap();
-        }
-    };
-    veth(&client, "c0", &node, "a0", (5, 2, 1));
-    veth(&client, "c1", &node3, "x0", (6, 2, 1));
-    veth(&node, "a1", &node3, "x1", (7, 1, 3));
-    veth(&node3, "x2", &pod, "p0", (8, 1, 10));
+    client.veth_dual("c0", &node, "a0", (5, 2, 1)).unwrap();
+    client.veth_dual("c1", &node3, "x0", (6, 2, 1)).unwrap();
+    node.veth_dual("a1", &node3, "x1", (7, 1, 3)).unwrap();
+    node3.veth_dual("x2", &pod, "p0", (8, 1, 10)).unwrap();
     // No default routes anywhere: only the lab's own prefixes.
-    let route = |n: &Netns, v4: (&str, &str), v6: (&str, &str)| {
-        n.ip(&["route", "add", v4.0, "via", v4.1]).unwrap();
-        n.ip(&["-6", "route", "add", v6.0, "via", v6.1]).unwrap();
-    };
-    route(&node, ("198.18.8.0/24", "198.18.7.3"), ("fd00:18:8::/64", "fd00:18:7::3"));
-    route(&node3, ("198.18.5.0/24", "198.18.6.2"), ("fd00:18:5::/64", "fd00:18:6::2"));
-    route(&client, ("198.18.8.0/24", "198.18.6.1"), ("fd00:18:8::/64", "fd00:18:6::1"));
-    route(&pod, ("198.18.0.0/16", "198.18.8.1"), ("fd00:18::/32", "fd00:18:8::1"));
+    node.route_dual(("198.18.8.0/24", "198.18.7.3"), ("fd00:18:8::/64", "fd00:18:7::3")).unwrap();
+    node3.route_dual(("198.18.5.0/24", "198.18.6.2"), ("fd00:18:5::/64", "fd00:18:6::2")).unwrap();
+    client.route_dual(("198.18.8.0/24", "198.18.6.1"), ("fd00:18:8::/64", "fd00:18:6::1")).unwrap();
+    pod.route_dual(("198.18.0.0/16", "198.18.8.1"), ("fd00:18::/32", "fd00:18:8::1")).unwrap();
     for n in [&node, &node3] {
         n.sysctl("net.ipv4.ip_forward", "1").unwrap();
         n.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();
