@@ -474,3 +474,32 @@ pub fn counts(v: &serde_json::Value) -> Vec<(String, u64)> {
 pub fn path_str(p: &Path) -> String {
     p.display().to_string()
 }
+
+/// A long-lived UDP client (fixed source port `bind_port`) on the TC path to `to` is pinned
+/// by conntrack to one of the three backends; that backend then leaves the Service (the
+/// manifest `file` is rewritten with `slice(remaining backends)`), and the same flow must
+/// reach only the others within 10 s. The departed backend's server keeps running, so only
+/// the agent's conntrack cleanup can move the flow.
+pub fn assert_udp_flow_leaves_departed_backend(lab: &Lab, agent: &Agent, to: &str, file: &str, slice: impl Fn(&[usize]) -> String, bind_port: u16) {
+    let port = bind_port.to_string();
+    let send = || lab.client_json(false, &["udp", "--to", to, "--count", "5", "--bind-port", &port]).unwrap();
+    let v = send();
+    let c = counts(&v);
+    assert_eq!(c.len(), 1, "one flow, one backend: {v}");
+    let pinned = c[0].0.clone();
+    let i: usize = pinned.trim_start_matches("be").parse::<usize>().unwrap() - 1;
+    let rest: Vec<usize> = (0..3).filter(|j| *j != i).collect();
+    agent.write(file, &slice(&rest)).unwrap();
+    agent.wait_backends(&format!("{to}/udp"), 2).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = send();
+        let c = counts(&v);
+        if c.iter().all(|(n, _)| *n != pinned) {
+            assert_eq!(c.iter().map(|(_, n)| n).sum::<u64>(), 5, "{v}");
+            return;
+        }
+        assert!(Instant::now() < deadline, "the flow still reaches {pinned}: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -6,7 +6,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use gardenet_tests::lab::{backend_ip, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT};
+use gardenet_tests::lab::{assert_udp_flow_leaves_departed_backend, backend_ip, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT};
 
 /// One lab at a time: tests share the machine's two cores and keep timings sane.
 static LOCK: Mutex<()> = Mutex::new(());
@@ -218,26 +218,5 @@ fn a_direct_connection_reusing_a_translated_flows_port_is_not_rewritten() {
 fn udp_flows_move_off_a_departed_backend() {
     let _g = serial();
     let (lab, agent) = setup(AgentOpts { tc: true, ..Default::default() }, &[0, 1, 2]);
-    let send = || lab.client_json(false, &["udp", "--to", &vip(), "--count", "5", "--bind-port", "41000"]).unwrap();
-    let v = send();
-    let c = counts(&v);
-    assert_eq!(c.len(), 1, "one flow, one backend: {v}");
-    let (pinned, _) = c[0].clone();
-    let i: usize = pinned.trim_start_matches("be").parse::<usize>().unwrap() - 1;
-    let rest: Vec<usize> = (0..3).filter(|j| *j != i).collect();
-    agent.write("eps.yaml", &slice_yaml("web", &rest, &["TCP", "UDP"])).unwrap();
-    agent.wait_backends(&format!("{}/udp", vip()), 2).unwrap();
-    // The departed backend's server still runs (it only left the EndpointSlice): only the
-    // conntrack cleanup moves the flow.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let v = send();
-        let c = counts(&v);
-        if c.iter().all(|(n, _)| *n != pinned) {
-            assert_eq!(c.iter().map(|(_, n)| n).sum::<u64>(), 5, "{v}");
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the flow still reaches {pinned}: {v}");
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    assert_udp_flow_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", |rest| slice_yaml("web", rest, &["TCP", "UDP"]), 41000);
 }

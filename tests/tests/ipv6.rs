@@ -4,7 +4,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use gardenet_tests::lab::{
-    backend_ip6, counts, node_yaml_dual, service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
+    assert_udp_flow_leaves_departed_backend, backend_ip6, counts, node_yaml_dual, service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
 };
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -245,24 +245,5 @@ fn client_ip_affinity_v6_on_both_paths() {
 fn udp_v6_flows_move_off_a_departed_backend() {
     let _g = serial();
     let (lab, agent) = setup(AgentOpts { tc: true, ..Default::default() }, &[0, 1, 2]);
-    let send = || lab.client_json(false, &["udp", "--to", &vip6(), "--count", "5", "--bind-port", "41006"]).unwrap();
-    let v = send();
-    let c = counts(&v);
-    assert_eq!(c.len(), 1, "one flow, one backend: {v}");
-    let pinned = c[0].0.clone();
-    let i: usize = pinned.trim_start_matches("be").parse::<usize>().unwrap() - 1;
-    let rest: Vec<usize> = (0..3).filter(|j| *j != i).collect();
-    agent.write("eps6.yaml", &slice_yaml6("web", &rest, &["TCP", "UDP"])).unwrap();
-    agent.wait_backends(&format!("{}/udp", vip6()), 2).unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let v = send();
-        let c = counts(&v);
-        if c.iter().all(|(n, _)| *n != pinned) {
-            assert_eq!(c.iter().map(|(_, n)| n).sum::<u64>(), 5, "{v}");
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the flow still reaches {pinned}: {v}");
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    assert_udp_flow_leaves_departed_backend(&lab, &agent, &vip6(), "eps6.yaml", |rest| slice_yaml6("web", rest, &["TCP", "UDP"]), 41006);
 }
