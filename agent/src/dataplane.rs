@@ -18,6 +18,7 @@ use aya::{
 use gardenet_common::*;
 
 use crate::{
+    features::KernelFeatures,
     lbmap::{LbMaps, MapDump, MapError, RangeKey},
     pinned_link::{self, AttachType, Attached, Target},
 };
@@ -56,7 +57,15 @@ pub struct Dataplane {
     links: Vec<LinkRecord>,
     /// XDP mode used when the link manager attaches an interface.
     pub xdp_mode: XdpMode,
+    /// What this kernel offers; decides the programs and attachments used.
+    pub features: KernelFeatures,
 }
+
+/// Where TC LB sits on kernels without tcx: a cls_bpf filter on the clsact qdisc at this
+/// priority and handle. Fixed, so a restarted agent replaces its own filter in place (no
+/// window, no second copy) and never touches filters of other tools at other handles.
+pub const CLSACT_PRIORITY: u16 = 1;
+pub const CLSACT_HANDLE: u32 = 0x6e00;
 
 /// One attachment this agent made or took over.
 pub struct LinkRecord {
@@ -111,6 +120,15 @@ impl Dataplane {
     /// Loads programs and maps. Maps already pinned in `pin_dir` are reused, so a restarted
     /// agent keeps services and conntrack entries.
     pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Self> {
+        Self::load_with(pin_dir, sizes, KernelFeatures::probe())
+    }
+
+    /// [`Dataplane::load`] for a kernel described by `features` (tests pass a reduced set to
+    /// exercise fallbacks on a newer kernel).
+    pub fn load_with(pin_dir: &Path, sizes: MapSizes, features: KernelFeatures) -> Result<Self> {
+        if let Some(why) = features.missing_required() {
+            bail!("{why}: gardenet needs BTF, cgroup bpf_links and the getpeername hooks (Linux >= 5.10)");
+        }
         ensure_bpffs(pin_dir)?;
         fs::create_dir_all(pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
         let mut ebpf = EbpfLoader::new()
@@ -129,7 +147,8 @@ impl Dataplane {
             .map_max_entries(MAP_AFFINITY_MATCH6, sizes.affinity)
             .load(EBPF_OBJECT)
             .context("loading the eBPF object (maps pinned with other sizes? start with --reset)")?;
-        for name in [PROG_CONNECT4, PROG_SENDMSG4, PROG_RECVMSG4, PROG_GETPEERNAME4, PROG_CONNECT6, PROG_SENDMSG6, PROG_RECVMSG6, PROG_GETPEERNAME6] {
+        // Only the programs this kernel can run are loaded (and so verified).
+        for name in sock_programs(&features).into_iter().map(|(name, _, _)| name) {
             let p: &mut CgroupSockAddr = prog_mut(&mut ebpf, name)?;
             p.load().with_context(|| format!("verifier rejected {name}"))?;
         }
@@ -140,7 +159,7 @@ impl Dataplane {
         let p: &mut Xdp = prog_mut(&mut ebpf, PROG_XDP)?;
         p.load().with_context(|| format!("verifier rejected {PROG_XDP}"))?;
         fs::create_dir_all(pin_dir.join("links"))?;
-        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), links: Vec::new(), xdp_mode: XdpMode::Auto })
+        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), links: Vec::new(), xdp_mode: XdpMode::Auto, features })
     }
 
     pub fn pin_dir(&self) -> &Path {
@@ -181,8 +200,12 @@ impl Dataplane {
     /// agent is down (e.g. during an upgrade).
     pub fn unpin_links(&mut self) {
         for l in &self.links {
-            if let Some(p) = &l.pin {
-                let _ = fs::remove_file(p);
+            match (&l.pin, l.ifindex) {
+                (Some(p), _) => {
+                    let _ = fs::remove_file(p);
+                }
+                (None, Some(ifindex)) => Self::detach_clsact(ifindex),
+                (None, None) => {}
             }
         }
     }
@@ -190,15 +213,22 @@ impl Dataplane {
     /// Detaches TC LB and XDP from interface `ifindex` (removes its pins; the links go with
     /// our fds).
     pub fn detach_interface(&mut self, ifindex: u32) {
+        let mut clsact = false;
         self.links.retain(|l| {
             let mine = l.ifindex == Some(ifindex);
             if mine {
-                if let Some(p) = &l.pin {
-                    let _ = fs::remove_file(p);
+                match &l.pin {
+                    Some(p) => {
+                        let _ = fs::remove_file(p);
+                    }
+                    None => clsact = true,
                 }
             }
             !mine
         });
+        if clsact {
+            Self::detach_clsact(ifindex);
+        }
     }
 
     /// Attaches the socket-LB hooks to a cgroup2 directory. These are bpf_links, which never
@@ -209,16 +239,7 @@ impl Dataplane {
         let f = fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
         let id = pinned_link::cgroup_id(cgroup)?;
         let target = cgroup.display().to_string();
-        for (name, ty, hook) in [
-            (PROG_CONNECT4, AttachType::Connect4, "cgroup/connect4"),
-            (PROG_SENDMSG4, AttachType::Sendmsg4, "cgroup/sendmsg4"),
-            (PROG_RECVMSG4, AttachType::Recvmsg4, "cgroup/recvmsg4"),
-            (PROG_GETPEERNAME4, AttachType::Getpeername4, "cgroup/getpeername4"),
-            (PROG_CONNECT6, AttachType::Connect6, "cgroup/connect6"),
-            (PROG_SENDMSG6, AttachType::Sendmsg6, "cgroup/sendmsg6"),
-            (PROG_RECVMSG6, AttachType::Recvmsg6, "cgroup/recvmsg6"),
-            (PROG_GETPEERNAME6, AttachType::Getpeername6, "cgroup/getpeername6"),
-        ] {
+        for (name, ty, hook) in sock_programs(&self.features) {
             self.attach_link(name, f.as_raw_fd() as u32, Target::Cgroup { id }, ty, hook, "cgroup")
                 .with_context(|| format!("cgroup {target}"))?;
         }
@@ -264,7 +285,7 @@ impl Dataplane {
     }
 
     fn attach_tc_index(&mut self, iface: &str, ifindex: u32) -> Result<()> {
-        if has_tcx() {
+        if self.features.tcx {
             for (name, ty, hook) in [
                 (PROG_TC_INGRESS, AttachType::TcxIngress, "tc/ingress"),
                 (PROG_TC_EGRESS, AttachType::TcxEgress, "tc/egress"),
@@ -273,14 +294,42 @@ impl Dataplane {
             }
             return Ok(());
         }
-        // Kernels before 6.6: clsact + cls_bpf through netlink ("exists" is fine).
+        // Kernels before 6.6: a cls_bpf filter on clsact at our fixed priority and handle.
+        // An existing one (a previous agent's) gets the new program in place, atomically;
+        // only where there is none is one created. The qdisc may exist already ("exists").
         let _ = aya::programs::tc::qdisc_add_clsact(iface);
         for (name, ty, hook) in [(PROG_TC_INGRESS, TcAttachType::Ingress, "tc/ingress"), (PROG_TC_EGRESS, TcAttachType::Egress, "tc/egress")] {
             let p: &mut SchedClassifier = prog_mut(&mut self.ebpf, name)?;
-            p.attach(iface, ty).with_context(|| format!("attaching {name} to {iface}"))?;
-            self.links.push(LinkRecord { hook: hook.into(), target: iface.into(), ifindex: Some(ifindex), how: Attached::Created, pin: None, _fd: None });
+            let handle = aya::programs::tc::TcHandle::from(CLSACT_HANDLE);
+            let existing = aya::programs::tc::SchedClassifierLink::attached(iface, ty, CLSACT_PRIORITY, handle, None)?;
+            let (id, how) = match p.attach_to_link(existing) {
+                Ok(id) => (id, Attached::Updated),
+                Err(_) => {
+                    let opts = aya::programs::tc::NlOptions { priority: CLSACT_PRIORITY, handle, classid: None };
+                    let id = p
+                        .attach_with_options(iface, ty, aya::programs::tc::TcAttachOptions::Netlink(opts))
+                        .with_context(|| format!("attaching {name} to {iface} (clsact)"))?;
+                    (id, Attached::Created)
+                }
+            };
+            // The filter stays when the agent exits (as pinned links do); it is removed only by
+            // `detach_interface` or `--detach-on-exit`.
+            std::mem::forget(p.take_link(id)?);
+            self.links.retain(|l| !(l.ifindex == Some(ifindex) && l.hook == hook));
+            self.links.push(LinkRecord { hook: hook.into(), target: iface.into(), ifindex: Some(ifindex), how, pin: None, _fd: None });
         }
         Ok(())
+    }
+
+    /// Removes this agent's clsact filters from `ifindex` (kernels without tcx).
+    fn detach_clsact(ifindex: u32) {
+        let Some(name) = ifname(ifindex) else { return };
+        for ty in [TcAttachType::Ingress, TcAttachType::Egress] {
+            if let Ok(l) = aya::programs::tc::SchedClassifierLink::attached(&name, ty, CLSACT_PRIORITY, CLSACT_HANDLE.into(), None) {
+                use aya::programs::Link as _;
+                let _ = l.detach();
+            }
+        }
     }
 
     /// Typed handles on the service and backend maps, for the map writer.
@@ -372,9 +421,34 @@ impl XdpMode {
     }
 }
 
-/// tcx (bpf_link based TC attachment) exists from Linux 6.6.
-pub fn has_tcx() -> bool {
-    aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
+/// The socket-LB programs for this kernel: (program, attach type, hook).
+fn sock_programs(f: &KernelFeatures) -> [(&'static str, AttachType, &'static str); 8] {
+    let (connect4, sendmsg4, connect6, sendmsg6) = if f.set_retval {
+        (PROG_CONNECT4, PROG_SENDMSG4, PROG_CONNECT6, PROG_SENDMSG6)
+    } else {
+        (PROG_CONNECT4_NR, PROG_SENDMSG4_NR, PROG_CONNECT6_NR, PROG_SENDMSG6_NR)
+    };
+    [
+        (connect4, AttachType::Connect4, "cgroup/connect4"),
+        (sendmsg4, AttachType::Sendmsg4, "cgroup/sendmsg4"),
+        (PROG_RECVMSG4, AttachType::Recvmsg4, "cgroup/recvmsg4"),
+        (PROG_GETPEERNAME4, AttachType::Getpeername4, "cgroup/getpeername4"),
+        (connect6, AttachType::Connect6, "cgroup/connect6"),
+        (sendmsg6, AttachType::Sendmsg6, "cgroup/sendmsg6"),
+        (PROG_RECVMSG6, AttachType::Recvmsg6, "cgroup/recvmsg6"),
+        (PROG_GETPEERNAME6, AttachType::Getpeername6, "cgroup/getpeername6"),
+    ]
+}
+
+fn ifname(ifindex: u32) -> Option<String> {
+    let mut buf = [0u8; libc::IF_NAMESIZE];
+    // SAFETY: buf has IF_NAMESIZE bytes, as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr().cast()) };
+    if p.is_null() {
+        return None;
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
 fn prog_mut<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T>

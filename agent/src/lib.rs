@@ -1,6 +1,7 @@
 //! gardenet agent: sources -> desired-state model -> map writer -> eBPF.
 pub mod dataplane;
 pub mod events;
+pub mod features;
 pub mod gardener;
 pub mod healthcheck;
 pub mod lbmap;

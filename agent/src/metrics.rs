@@ -100,6 +100,11 @@ struct OpLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FeatureLabel {
+    feature: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CounterLabel {
     counter: String,
 }
@@ -118,6 +123,7 @@ pub struct Metrics {
     errors: Family<KindLabel, Counter>,
     map_writes: Family<OpLabel, Counter>,
     datapath_packets: Family<CounterLabel, Counter>,
+    kernel_features: Family<FeatureLabel, Gauge>,
     sync_duration: Histogram,
     programming_latency: Histogram,
     /// Interfaces with a `gardenet_interface_attached` series (the family cannot be listed).
@@ -149,6 +155,7 @@ impl Metrics {
             errors: Family::default(),
             map_writes: Family::default(),
             datapath_packets: Family::default(),
+            kernel_features: Family::default(),
             // One flush: 100µs .. ~3.3s.
             sync_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             // Event received -> maps written: 1ms .. ~16s (includes batching behind a slow flush).
@@ -193,6 +200,11 @@ impl Metrics {
             m.interface_attached.clone(),
         );
         r.register("gardenet_errors", "Errors by kind", m.errors.clone());
+        r.register(
+            "gardenet_kernel_feature",
+            "Kernel facilities the datapath uses: 1 present, 0 absent (a fallback is in use)",
+            m.kernel_features.clone(),
+        );
         r.register(
             "gardenet_map_writes",
             "BPF map writes by operation",
@@ -271,6 +283,13 @@ impl Metrics {
         self.map_capacity
             .get_or_create(&label)
             .set(gauge_value(capacity));
+    }
+
+    /// `gardenet_kernel_feature{feature}`: 1 where the running kernel has it (see `features`).
+    pub fn set_kernel_features(&self, features: &[crate::features::Feature]) {
+        for f in features {
+            self.kernel_features.get_or_create(&FeatureLabel { feature: f.name.to_owned() }).set(i64::from(f.present));
+        }
     }
 
     pub fn set_conntrack_entries(&self, entries: usize) {

@@ -186,7 +186,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
         conntrack: args.map_conntrack.unwrap_or(config.map_sizes.conntrack),
         ..Default::default()
     };
-    let mut dp = match setup_dataplane(&args, &config, sizes) {
+    // What this kernel offers decides programs and attachments: said once, and exported.
+    let features = crate::features::KernelFeatures::probe();
+    tracing::info!("{}", features.summary());
+    metrics.set_kernel_features(&features.list());
+    let mut dp = match setup_dataplane(&args, &config, sizes, features) {
         Ok(dp) => dp,
         Err(e) => {
             metrics.error(ErrorKind::Attach);
@@ -210,11 +214,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tracing::info!("adopted {} frontends and {} backends from pinned maps", lb.frontend_count(), lb.backend_count());
     }
     // Source NAT for remote endpoints asks the FIB for the node's source address
-    // (BPF_FIB_LOOKUP_SRC, Linux 6.7); without it external traffic is only DNATed.
-    let no_source_nat = !aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 7, 0));
-    if no_source_nat {
-        tracing::warn!("this kernel predates Linux 6.7: no source NAT for external traffic to endpoints on other nodes (their replies must come back through this node by routing)");
-    }
+    // (BPF_FIB_LOOKUP_SRC); without it external traffic is only DNATed (the start log said so).
+    let no_source_nat = !dp.features.fib_lookup_src;
     let node = NodeInfo { name: args.node_name.clone(), no_source_nat, ..Default::default() };
     let mut pipeline = Pipeline::new(maps, lb, node);
 
@@ -400,8 +401,13 @@ async fn config_from_network(args: &RunArgs, network: &status::network::NetworkR
 }
 
 /// Loads the programs and attaches socket LB (interfaces come later, from the link manager).
-fn setup_dataplane(args: &RunArgs, config: &crate::gardener::config::NetworkConfig, sizes: MapSizes) -> Result<Dataplane> {
-    let mut dp = Dataplane::load(&args.bpffs, sizes)?;
+fn setup_dataplane(
+    args: &RunArgs,
+    config: &crate::gardener::config::NetworkConfig,
+    sizes: MapSizes,
+    features: crate::features::KernelFeatures,
+) -> Result<Dataplane> {
+    let mut dp = Dataplane::load_with(&args.bpffs, sizes, features)?;
     dp.xdp_mode = args.xdp_mode.unwrap_or_else(|| xdp_from_config(config.xdp.mode));
     if !args.no_socket_lb && config.socket_lb.enabled {
         let cg = match &args.cgroup {
@@ -495,6 +501,8 @@ pub async fn links_report(bpffs: &Path, state_dir: Option<PathBuf>, config: Opti
                 hooks.push(if name.starts_with("gn_") { hook.to_string() } else { format!("{hook}(foreign:{name})") });
             }
         }
+        // Kernels without tcx: gardenet's and other tools' filters on the clsact qdisc.
+        hooks.extend(crate::links::watch::clsact_filters(r.index).await.unwrap_or_default());
         if let Some(m) = xdp.get(&r.index) {
             hooks.push(format!("xdp/{m}"));
         }
@@ -504,6 +512,7 @@ pub async fn links_report(bpffs: &Path, state_dir: Option<PathBuf>, config: Opti
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", crate::links::render_table(&rows));
+        println!("\n{}", crate::features::KernelFeatures::probe().summary());
     }
     Ok(())
 }

@@ -49,6 +49,11 @@ pub const AFF_CLIENT_ADDR: u8 = 1;
 /// Program names as they appear in the object file.
 pub const PROG_CONNECT4: &str = "gn_connect4";
 pub const PROG_SENDMSG4: &str = "gn_sendmsg4";
+/// Twins of the connect/sendmsg programs for kernels without `bpf_set_retval` (< 5.18).
+pub const PROG_CONNECT4_NR: &str = "gn_connect4_nr";
+pub const PROG_SENDMSG4_NR: &str = "gn_sendmsg4_nr";
+pub const PROG_CONNECT6_NR: &str = "gn_connect6_nr";
+pub const PROG_SENDMSG6_NR: &str = "gn_sendmsg6_nr";
 pub const PROG_RECVMSG4: &str = "gn_recvmsg4";
 pub const PROG_GETPEERNAME4: &str = "gn_getpeername4";
 pub const PROG_CONNECT6: &str = "gn_connect6";

@@ -18,12 +18,37 @@ const ECONNREFUSED: i32 = 111;
 
 #[cgroup_sock_addr(connect4)]
 pub fn gn_connect4(ctx: SockAddrContext) -> i32 {
-    xlate_fwd(&ctx)
+    xlate_fwd::<true>(&ctx)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn gn_sendmsg4(ctx: SockAddrContext) -> i32 {
-    xlate_fwd(&ctx)
+    xlate_fwd::<true>(&ctx)
+}
+
+// Kernels before 5.18 have no `bpf_set_retval` (the verifier rejects the call): there the
+// loader takes these twins, whose refusal reaches the caller as EPERM.
+#[cgroup_sock_addr(connect4)]
+pub fn gn_connect4_nr(ctx: SockAddrContext) -> i32 {
+    xlate_fwd::<false>(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn gn_sendmsg4_nr(ctx: SockAddrContext) -> i32 {
+    xlate_fwd::<false>(&ctx)
+}
+
+/// Fails the socket call: with ECONNREFUSED where the kernel lets us set the error
+/// (`RETVAL`), with the hook's default EPERM otherwise.
+#[inline(always)]
+fn refuse<const RETVAL: bool>() -> i32 {
+    stat(Stat::SockNoBackend);
+    if RETVAL {
+        // The error an application expects from a closed port, instead of letting the SYN go
+        // to a VIP that nothing answers (a silent timeout).
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+    }
+    REJECT
 }
 
 #[cgroup_sock_addr(recvmsg4)]
@@ -39,7 +64,7 @@ pub fn gn_getpeername4(ctx: SockAddrContext) -> i32 {
 }
 
 #[inline(always)]
-fn xlate_fwd(ctx: &SockAddrContext) -> i32 {
+fn xlate_fwd<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
     let sa = unsafe { &mut *ctx.sock_addr };
     let proto = match sa.protocol {
         6 => PROTO_TCP,
@@ -55,13 +80,9 @@ fn xlate_fwd(ctx: &SockAddrContext) -> i32 {
     // Session affinity per pod: the network namespace cookie identifies the client.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some((_, be)) = select_backend_affine(&key, master, netns, AFF_CLIENT_NETNS) else {
-        stat(Stat::SockNoBackend);
-        // Fail fast with the error an application expects from a closed port, instead of
-        // letting the SYN go to a VIP that nothing answers (a silent timeout).
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
         #[cfg(feature = "log")]
         aya_log_ebpf::debug!(ctx, "no backend for {:i}:{}", u32::from_be(vip), u16::from_be(vport));
-        return REJECT;
+        return refuse::<RETVAL>();
     };
     sa.user_ip4 = be.addr;
     sa.user_port = be.port as u32;
@@ -88,12 +109,22 @@ fn xlate_rev(ctx: &SockAddrContext) {
 
 #[cgroup_sock_addr(connect6)]
 pub fn gn_connect6(ctx: SockAddrContext) -> i32 {
-    xlate_fwd6(&ctx)
+    xlate_fwd6::<true>(&ctx)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn gn_sendmsg6(ctx: SockAddrContext) -> i32 {
-    xlate_fwd6(&ctx)
+    xlate_fwd6::<true>(&ctx)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn gn_connect6_nr(ctx: SockAddrContext) -> i32 {
+    xlate_fwd6::<false>(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn gn_sendmsg6_nr(ctx: SockAddrContext) -> i32 {
+    xlate_fwd6::<false>(&ctx)
 }
 
 #[cgroup_sock_addr(recvmsg6)]
@@ -132,7 +163,7 @@ fn store_ip6(sa: &mut aya_ebpf::bindings::bpf_sock_addr, a: &Ip6) {
 }
 
 #[inline(always)]
-fn xlate_fwd6(ctx: &SockAddrContext) -> i32 {
+fn xlate_fwd6<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
     let sa = unsafe { &mut *ctx.sock_addr };
     let proto = match sa.protocol {
         6 => PROTO_TCP,
@@ -142,7 +173,7 @@ fn xlate_fwd6(ctx: &SockAddrContext) -> i32 {
     let vip = load_ip6(sa);
     let vport = sa.user_port as u16;
     if is_v4_mapped(&vip) {
-        return xlate_fwd_mapped(ctx, sa, proto, vip[3], vport);
+        return xlate_fwd_mapped::<RETVAL>(ctx, sa, proto, vip[3], vport);
     }
     let key = ServiceKey6::master(vip, vport, proto);
     let Some(master) = (unsafe { GN_SVC6.get(&key) }) else {
@@ -151,9 +182,7 @@ fn xlate_fwd6(ctx: &SockAddrContext) -> i32 {
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let client = [netns as u32, (netns >> 32) as u32, 0, 0];
     let Some((_, be)) = select_backend_affine6(&key, master, client, AFF_CLIENT_NETNS) else {
-        stat(Stat::SockNoBackend);
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
-        return REJECT;
+        return refuse::<RETVAL>();
     };
     store_ip6(sa, &be.addr);
     sa.user_port = be.port as u32;
@@ -177,16 +206,14 @@ fn is_v4_mapped(a: &Ip6) -> bool {
 /// runs only the IPv6 hook for it, so translate with the IPv4 tables here. (Unconnected UDP
 /// sends to mapped addresses go through sendmsg4; their replies come back through recvmsg6.)
 #[inline(always)]
-fn xlate_fwd_mapped(ctx: &SockAddrContext, sa: &mut aya_ebpf::bindings::bpf_sock_addr, proto: u8, vip: u32, vport: u16) -> i32 {
+fn xlate_fwd_mapped<const RETVAL: bool>(ctx: &SockAddrContext, sa: &mut aya_ebpf::bindings::bpf_sock_addr, proto: u8, vip: u32, vport: u16) -> i32 {
     let key = ServiceKey4::master(vip, vport, proto);
     let Some(master) = (unsafe { GN_SVC4.get(&key) }) else {
         return ALLOW;
     };
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some((_, be)) = select_backend_affine(&key, master, netns, AFF_CLIENT_NETNS) else {
-        stat(Stat::SockNoBackend);
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
-        return REJECT;
+        return refuse::<RETVAL>();
     };
     unsafe { core::ptr::write_volatile(&mut sa.user_ip6[3], be.addr) };
     sa.user_port = be.port as u32;

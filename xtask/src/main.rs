@@ -9,6 +9,8 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod kmatrix;
+
 #[derive(Parser)]
 #[command(name = "xtask")]
 struct Cli {
@@ -26,9 +28,20 @@ enum Cmd {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Set up, build and run every test (unit, API double, privileged namespace tests).
+    /// Set up, build and run every test: unit, API double and privileged namespace tests on
+    /// this kernel, then the privileged suites in a VM on the oldest kernel of the matrix.
     Test {
-        /// Extra arguments for `cargo test` (after `--`).
+        /// Run the privileged suites only, in VMs on these kernels: 5.10, 6.1, 6.12 (comma
+        /// separated) or `all`. Nothing runs on the host kernel then.
+        #[arg(long)]
+        kernel: Option<String>,
+        /// Only this kernel: skip the VM run of the oldest kernel.
+        #[arg(long, conflicts_with = "kernel")]
+        host_only: bool,
+        /// With --kernel: only these suites (comma separated), e.g. dataplane,ipv6.
+        #[arg(long, requires = "kernel")]
+        suites: Option<String>,
+        /// Extra arguments for `cargo test` (after `--`); with --kernel, for each test binary.
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -58,16 +71,23 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Setup => setup(),
         Cmd::BuildEbpf { dry_run } => build_ebpf(dry_run),
-        Cmd::Test { args } => {
+        Cmd::Test { kernel, host_only, suites, args } => {
             setup()?;
             build_ebpf(false)?;
             cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            if let Some(spec) = kernel {
+                return kernel_matrix(&kmatrix::kernels(&spec)?, suites.as_deref(), &args);
+            }
             let mut a = vec!["test".to_string()];
             if !args.is_empty() {
                 a.push("--".into());
-                a.extend(args);
+                a.extend(args.iter().cloned());
             }
-            cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())
+            cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+            if host_only {
+                return Ok(());
+            }
+            kernel_matrix(&kmatrix::KERNELS[..1].iter().collect::<Vec<_>>(), None, &[])
         }
         Cmd::Demo { args } => {
             setup()?;
@@ -93,6 +113,43 @@ fn main() -> Result<()> {
             run(Command::new(root().join("target/release").join(bin)).args(args))
         }
     }
+}
+
+/// Builds the privileged suites' test binaries and runs them on `kernels` in VMs.
+fn kernel_matrix(kernels: &[&kmatrix::Kernel], only: Option<&str>, args: &[String]) -> Result<()> {
+    let wanted: Vec<&str> = match only {
+        Some(list) => list.split(',').collect(),
+        None => kmatrix::PRIVILEGED_SUITES.to_vec(),
+    };
+    let suites: Vec<(String, PathBuf)> = test_executables()?.into_iter().filter(|(n, _)| wanted.contains(&n.as_str())).collect();
+    for w in &wanted {
+        if !suites.iter().any(|(n, _)| n == w) {
+            bail!("no test suite {w:?} in gardenet-tests");
+        }
+    }
+    kmatrix::run_matrix(kernels, &suites, args, &root().join("target/kmatrix"))
+}
+
+/// (suite name, executable) of every integration test of the tests package, built.
+fn test_executables() -> Result<Vec<(String, PathBuf)>> {
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(root())
+        .args(["test", "-p", "gardenet-tests", "--tests", "--no-run", "--message-format=json"])
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        bail!("building the test binaries failed");
+    }
+    let mut v = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let (Some(exe), Some(name)) = (msg["executable"].as_str(), msg["target"]["name"].as_str()) else { continue };
+        if msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "test")) {
+            v.push((name.to_string(), PathBuf::from(exe)));
+        }
+    }
+    Ok(v)
 }
 
 fn root() -> PathBuf {
@@ -138,7 +195,14 @@ const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 
 fn setup() -> Result<()> {
     let mut pkgs: Vec<&str> = Vec::new();
-    for (bin, pkg) in [("ip", "iproute2"), ("nsenter", "util-linux"), ("iptables-restore", "iptables")] {
+    // qemu and xz: the kernel matrix's VMs (`cargo xtask test` runs the oldest kernel in one).
+    for (bin, pkg) in [
+        ("ip", "iproute2"),
+        ("nsenter", "util-linux"),
+        ("iptables-restore", "iptables"),
+        ("qemu-system-x86_64", "qemu-system-x86"),
+        ("xz", "xz-utils"),
+    ] {
         if !have(bin) {
             pkgs.push(pkg);
         }

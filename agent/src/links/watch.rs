@@ -582,3 +582,34 @@ pub async fn xdp_modes() -> Result<std::collections::HashMap<u32, &'static str>>
     }
     Ok(out)
 }
+
+/// The cls_bpf filters on an interface's clsact qdisc (kernels without tcx): gardenet's own
+/// (`tc/ingress`, `tc/egress`, at `CLSACT_PRIORITY`/`CLSACT_HANDLE`) and other tools'
+/// (`tc/ingress(foreign:u32 pref 49152)`).
+pub async fn clsact_filters(ifindex: u32) -> Result<Vec<String>> {
+    use crate::dataplane::{CLSACT_HANDLE, CLSACT_PRIORITY};
+    use netlink_packet_route::tc::TcAttribute;
+    let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink socket")?;
+    let conn = tokio::spawn(conn);
+    let mut out = Vec::new();
+    for (hook, egress) in [("tc/ingress", false), ("tc/egress", true)] {
+        let req = handle.traffic_filter(ifindex as i32).get();
+        let req = if egress { req.egress() } else { req.ingress() };
+        let msgs: Vec<_> = req.execute().try_collect().await.unwrap_or_default();
+        for m in msgs {
+            let h = u32::from(m.header.handle.major) << 16 | u32::from(m.header.handle.minor);
+            if h == 0 {
+                continue; // the priority's head, not a filter
+            }
+            let prio = (m.header.info >> 16) as u16;
+            if prio == CLSACT_PRIORITY && h == CLSACT_HANDLE {
+                out.push(hook.to_string());
+            } else {
+                let kind = m.attributes.iter().find_map(|a| if let TcAttribute::Kind(k) = a { Some(k.clone()) } else { None }).unwrap_or_default();
+                out.push(format!("{hook}(foreign:{kind} pref {prio})"));
+            }
+        }
+    }
+    conn.abort();
+    Ok(out)
+}
