@@ -503,3 +503,13 @@ pub fn assert_udp_flow_leaves_departed_backend(lab: &Lab, agent: &Agent, to: &st
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// How `connect()` to a frontend without backends fails on this kernel: ECONNREFUSED, but
+/// through socket LB on kernels without `bpf_set_retval` (< 5.18) the hook's EPERM.
+pub fn refusal_outcome(socket_lb: bool) -> &'static str {
+    if socket_lb && !gardenet_agent::features::KernelFeatures::probe().set_retval {
+        "PermissionDenied"
+    } else {
+        "ConnectionRefused"
+    }
+}
