@@ -288,6 +288,23 @@ impl Netns {
     }
 
     /// Names of the programs attached to `iface` at a tcx hook (kernel's view).
+    /// Names of the BPF programs on an interface's TC hook (`ty`: `TcxIngress` or `TcxEgress`),
+    /// as the kernel reports them: tcx where the kernel has it, else the clsact qdisc's
+    /// cls_bpf filters (one per line of `tc filter show`, named by program).
+    pub fn tc_programs(&self, iface: &str, ty: gardenet_agent::pinned_link::AttachType) -> Result<Vec<String>> {
+        if gardenet_agent::features::KernelFeatures::probe().tcx {
+            return self.tcx_programs(iface, ty);
+        }
+        let dir = if ty == gardenet_agent::pinned_link::AttachType::TcxIngress { "ingress" } else { "egress" };
+        let out = Command::new("tc").args(["-n", &self.name, "filter", "show", "dev", iface, dir]).output()?;
+        if !out.status.success() {
+            bail!("tc filter show dev {iface} {dir}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let filters = text.lines().filter(|l| l.contains(" bpf ") && l.contains(" handle "));
+        Ok(filters.filter_map(|l| l.split_whitespace().find(|w| w.starts_with("gn_")).map(String::from)).collect())
+    }
+
     pub fn tcx_programs(&self, iface: &str, ty: gardenet_agent::pinned_link::AttachType) -> Result<Vec<String>> {
         let iface = CString::new(iface)?;
         self.run_in(move || -> Result<Vec<String>> {

@@ -21,8 +21,8 @@ fn web() -> Vec<(&'static str, String)> {
 }
 
 fn one_of_each(lab: &Lab) {
-    assert_eq!(lab.node.tcx_programs("nc0", AttachType::TcxIngress).unwrap(), ["gn_tc_ingress"]);
-    assert_eq!(lab.node.tcx_programs("nc0", AttachType::TcxEgress).unwrap(), ["gn_tc_egress"]);
+    assert_eq!(lab.node.tc_programs("nc0", AttachType::TcxIngress).unwrap(), ["gn_tc_ingress"]);
+    assert_eq!(lab.node.tc_programs("nc0", AttachType::TcxEgress).unwrap(), ["gn_tc_egress"]);
     assert_eq!(lab.cgroup.programs(AttachType::Connect4).unwrap(), ["gn_connect4"]);
     assert_eq!(lab.cgroup.programs(AttachType::Sendmsg4).unwrap(), ["gn_sendmsg4"]);
     assert_eq!(lab.cgroup.programs(AttachType::Recvmsg4).unwrap(), ["gn_recvmsg4"]);
@@ -77,7 +77,8 @@ fn detach_on_exit_leaves_nothing_attached() {
     let mut agent = Agent::start(&lab, AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &web()).unwrap();
     one_of_each(&lab);
     agent.stop();
-    assert!(lab.node.tcx_programs("nc0", AttachType::TcxIngress).unwrap().is_empty());
+    assert!(lab.node.tc_programs("nc0", AttachType::TcxIngress).unwrap().is_empty());
+    assert!(lab.node.tc_programs("nc0", AttachType::TcxEgress).unwrap().is_empty());
     assert!(lab.cgroup.programs(AttachType::Connect4).unwrap().is_empty());
 }
 

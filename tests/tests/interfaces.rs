@@ -41,18 +41,8 @@ fn zoo() -> (String, Netns) {
 
 fn gardenet_hooks(ns: &Netns, iface: &str) -> Vec<String> {
     let mut v = Vec::new();
-    if !gardenet_agent::features::KernelFeatures::probe().tcx {
-        // Kernels without tcx: cls_bpf filters on clsact, one line per filter, named by program.
-        for dir in ["ingress", "egress"] {
-            let out = Command::new("tc").args(["-n", &ns.name, "filter", "show", "dev", iface, dir]).output().unwrap();
-            let text = String::from_utf8_lossy(&out.stdout).into_owned();
-            let filters = text.lines().filter(|l| l.contains(" handle "));
-            v.extend(filters.filter_map(|l| l.split_whitespace().find(|w| w.starts_with("gn_")).map(String::from)));
-        }
-        return v;
-    }
     for ty in [AttachType::TcxIngress, AttachType::TcxEgress] {
-        v.extend(ns.tcx_programs(iface, ty).unwrap_or_default().into_iter().filter(|n| n.starts_with("gn_")));
+        v.extend(ns.tc_programs(iface, ty).unwrap_or_default().into_iter().filter(|n| n.starts_with("gn_")));
     }
     v
 }
