@@ -126,6 +126,7 @@ impl Dataplane {
     /// [`Dataplane::load`] for a kernel described by `features` (tests pass a reduced set to
     /// exercise fallbacks on a newer kernel).
     pub fn load_with(pin_dir: &Path, sizes: MapSizes, features: KernelFeatures) -> Result<Self> {
+        crate::features::raise_memlock_limit();
         if let Some(why) = features.missing_required() {
             bail!("{why}: gardenet needs BTF, cgroup bpf_links and the getpeername hooks (Linux >= 5.10)");
         }

@@ -45,6 +45,7 @@ impl KernelFeatures {
     /// Asks the running kernel. Never fails: a question the kernel cannot answer counts as
     /// "absent".
     pub fn probe() -> KernelFeatures {
+        raise_memlock_limit();
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default();
         let btf_blob = std::fs::read("/sys/kernel/btf/vmlinux").ok();
         KernelFeatures {
@@ -89,6 +90,16 @@ impl KernelFeatures {
         }
         s
     }
+}
+
+/// Kernels before 5.11 charge BPF maps and programs to `RLIMIT_MEMLOCK` (per user, so all of
+/// root's pinned maps count): without this a second agent, or the probes above, fail with
+/// EPERM once a few maps exist. Later kernels use memory cgroups and ignore it.
+pub fn raise_memlock_limit() {
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: plain setrlimit with a valid struct; failure (no CAP_SYS_RESOURCE) is left to
+    // surface as the load error that follows.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
 }
 
 const BPF_PROG_LOAD: i64 = 5;
