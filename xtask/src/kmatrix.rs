@@ -308,7 +308,8 @@ pub fn run_matrix(kernels: &[&Kernel], suites: &[(String, PathBuf)], test_args: 
     }
     let table = table(&releases, suites, &results);
     println!("\n{table}");
-    fs::write(out_dir.join("results.md"), &table)?;
+    let names: Vec<&str> = kernels.iter().map(|k| k.name).collect();
+    fs::write(out_dir.join(format!("results-{}.md", names.join(","))), &table)?;
     if !ok {
         bail!("kernel matrix: some suites failed (consoles under {})", out_dir.display());
     }
