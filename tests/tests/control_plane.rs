@@ -240,6 +240,11 @@ fn health_readiness_and_metrics_endpoints() {
         assert!(text.contains(needle), "/metrics lacks {needle:?}:\n{text}");
     }
     assert!(text.contains("sock_translated"), "datapath counters exported:\n{text}");
+    // The kernel facilities the agent found, as this test's own probe finds them.
+    for f in gardenet_agent::features::KernelFeatures::probe().list() {
+        let line = format!("gardenet_kernel_feature{{feature=\"{}\"}} {}", f.name, u8::from(f.present));
+        assert!(text.contains(&line), "/metrics lacks {line:?}:\n{text}");
+    }
 }
 
 fn lb_svc(ranges: &str) -> String {

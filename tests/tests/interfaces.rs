@@ -158,6 +158,16 @@ fn restarts_do_not_stack_and_foreign_filters_survive() {
         assert_eq!(gardenet_hooks(&ns, iface), ["gn_tc_ingress", "gn_tc_egress"], "one program per hook on {iface} after restarts");
     }
     assert!(foreign(), "the foreign filter survives restarts");
+    // `links` tells ours from the other tool's, on tcx and on clsact kernels alike.
+    let v = links_json(&ns, &agent);
+    let eth1: Vec<&str> = row(&v, "eth1")["hooks"].as_array().unwrap().iter().filter_map(|h| h.as_str()).collect();
+    assert_eq!(eth1.iter().filter(|h| **h == "tc/ingress").count(), 1, "{eth1:?}");
+    assert!(eth1.contains(&"tc/ingress(foreign:u32 pref 7)"), "{eth1:?}");
+    let mut cmd = ns.command(&agent.bin, None).unwrap();
+    let table = cmd.args(["links", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    let features = gardenet_agent::features::KernelFeatures::probe();
+    assert!(table.contains(&features.summary()), "links shows the kernel's facilities and fallbacks:\n{table}");
     // Stop for good with --detach-on-exit: ours go, the foreign filter stays.
     agent.stop();
     let mut agent = Agent::start_in(&tag, &ns, None, AgentOpts::default(), &[]).unwrap();

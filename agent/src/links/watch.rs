@@ -606,7 +606,11 @@ pub async fn clsact_filters(ifindex: u32) -> Result<Vec<String>> {
                 out.push(hook.to_string());
             } else {
                 let kind = m.attributes.iter().find_map(|a| if let TcAttribute::Kind(k) = a { Some(k.clone()) } else { None }).unwrap_or_default();
-                out.push(format!("{hook}(foreign:{kind} pref {prio})"));
+                // One entry per filter (u32 dumps its hash table and keys as several).
+                let f = format!("{hook}(foreign:{kind} pref {prio})");
+                if !out.contains(&f) {
+                    out.push(f);
+                }
             }
         }
     }
