@@ -23,6 +23,7 @@
 //! ```
 mod http;
 mod select;
+mod semantics;
 mod store;
 
 use std::{
