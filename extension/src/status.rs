@@ -28,7 +28,9 @@ pub struct ProviderStatus {
 }
 
 /// The time to record: now, but never before gardenlet's `gardener.cloud/timestamp`
-/// (gardenlet waits for a `lastUpdateTime` after the time it asked; clocks differ).
+/// (gardenlet waits for a `lastUpdateTime` after the time it asked; clocks differ). The
+/// result is rounded up to whole seconds, because that is all a `metav1.Time` keeps: a
+/// truncated time from the same second would read as older than the request.
 pub fn operation_time(now: Time, network: &Network) -> Time {
     let asked = network
         .metadata
@@ -36,10 +38,12 @@ pub fn operation_time(now: Time, network: &Network) -> Time {
         .as_ref()
         .and_then(|a| a.get(ANNOTATION_TIMESTAMP))
         .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok());
-    match asked {
-        Some(t) if t > now.0 => Time(t),
-        _ => now,
+    let Some(asked) = asked else { return now };
+    let t = asked.max(now.0);
+    if t.subsec_nanosecond() == 0 {
+        return Time(t);
     }
+    Time(k8s_openapi::jiff::Timestamp::from_second(t.as_second() + 1).unwrap_or(t))
 }
 
 fn last_operation(type_: &LastOperationType, state: LastOperationState, progress: i32, description: &str, at: &Time) -> Value {
@@ -163,6 +167,9 @@ mod tests {
         assert_eq!(operation_time(now.clone(), &later), time("2025-01-01T10:00:05Z"));
         let earlier = network(Some((ANNOTATION_TIMESTAMP, "2025-01-01T09:00:00Z")));
         assert_eq!(operation_time(now.clone(), &earlier), now);
+        // Sub-second requests round up: the written (whole-second) time is not before them.
+        let same_second = network(Some((ANNOTATION_TIMESTAMP, "2025-01-01T10:00:00.5Z")));
+        assert_eq!(operation_time(now.clone(), &same_second), time("2025-01-01T10:00:01Z"));
         let garbage = network(Some((ANNOTATION_TIMESTAMP, "yesterday")));
         assert_eq!(operation_time(now.clone(), &garbage), now);
     }
