@@ -175,10 +175,7 @@ async fn reconcile(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action, Error>
     }
     let clusters: Api<Cluster> = Api::all(ctx.seed.clone());
     let cluster = ctx.call("reading the Cluster", clusters.get_opt(&namespace)).await?;
-    let shoot = match &cluster {
-        Some(c) => Some(c.shoot().map_err(|source| Error::BadShoot { cluster: namespace.clone(), source })),
-        None => None,
-    };
+    let shoot = cluster.as_ref().map(|c| c.shoot().map_err(|source| Error::BadShoot { cluster: namespace.clone(), source }));
     let shoot_failed = matches!(&shoot, Some(Ok(s)) if s.is_failed());
     let decision = operation::decide(&Facts::of(&network, shoot_failed));
     let span = tracing::info_span!("reconcile", network = %key(&network), ?decision);
