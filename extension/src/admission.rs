@@ -58,6 +58,11 @@ pub fn review(body: &[u8]) -> Value {
     let Some(object) = request.get("object").filter(|o| o.is_object()) else {
         return response(uid, false, 400, "the request carries no object");
     };
+    // An update that leaves the networking as it was is not this webhook's business: a Shoot
+    // accepted by an older gardenet must stay editable (e.g. to be hibernated or deleted).
+    if operation == "UPDATE" && request.get("oldObject").is_some_and(|old| same_networking(old, object)) {
+        return response(uid, true, 200, "networking unchanged");
+    }
     match validate_shoot(object) {
         Ok(()) => response(uid, true, 200, ""),
         Err(problems) => response(uid, false, 403, &problems.join("; ")),
@@ -71,6 +76,11 @@ fn response(uid: &str, allowed: bool, code: u16, message: &str) -> Value {
         resp["status"] = json!({"code": code, "message": message, "reason": reason});
     }
     json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp})
+}
+
+/// Whether two Shoots agree on everything [`validate_shoot`] looks at.
+fn same_networking(old: &Value, new: &Value) -> bool {
+    ["/spec/networking", "/spec/kubernetes/kubeProxy"].iter().all(|p| old.pointer(p) == new.pointer(p))
 }
 
 /// The checks for a Shoot; messages name the Shoot fields.
@@ -273,6 +283,21 @@ mod tests {
         n["pods"] = json!("fd00::/48");
         let r = admission(shoot(n, true));
         assert!(r["status"]["message"].as_str().unwrap().contains("spec.networking.pods"), "{r}");
+    }
+
+    #[test]
+    fn updates_that_keep_the_networking_are_allowed() {
+        let broken = shoot(net(pc(json!({"xdp": {"mode": "turbo"}}))), true);
+        let mut hibernated = broken.clone();
+        hibernated["spec"]["hibernation"] = json!({"enabled": true});
+        let body = |old: &Value, new: &Value| {
+            json!({"kind": "AdmissionReview", "request": {"uid": "u", "kind": {"kind": "Shoot"}, "operation": "UPDATE",
+                                                          "object": new, "oldObject": old}})
+            .to_string()
+        };
+        assert_eq!(review(body(&broken, &hibernated).as_bytes())["response"]["allowed"], true);
+        let good = shoot(net(pc(json!({}))), true);
+        assert_eq!(review(body(&good, &broken).as_bytes())["response"]["allowed"], false);
     }
 
     #[test]
