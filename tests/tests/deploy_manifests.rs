@@ -721,7 +721,8 @@ fn readme_describes_every_manifest() {
             for file in std::fs::read_dir(entry.path()).unwrap() {
                 let file = file.unwrap().file_name().to_string_lossy().into_owned();
                 let path = format!("{name}/{file}");
-                names.insert(path.clone(), readme.contains(&format!("`{path}`")));
+                let described = readme.contains(&format!("`{path}`")) || readme.contains(&format!("`{path}/`"));
+                names.insert(path, described);
             }
         } else if name != "README.md" {
             names.insert(name.clone(), readme.contains(&format!("`{name}`")));
@@ -745,7 +746,32 @@ fn readme_describes_every_manifest() {
 // --- gardenet-extension: deploy/extension/ and the manifests it renders into shoots ---
 
 fn extension_docs() -> Vec<Doc> {
-    docs_in(&deploy_dir().join("extension"))
+    let mut docs = docs_in(&deploy_dir().join("extension"));
+    docs.extend(chart_docs());
+    docs
+}
+
+/// The controller chart rendered as Helm would with its default values. The templates only
+/// substitute values (no logic), so plain replacement is Helm's result.
+fn chart_docs() -> Vec<Doc> {
+    let chart = deploy_dir().join("extension/chart");
+    let values: BTreeMap<String, serde_yaml::Value> =
+        serde_yaml::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let meta: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(chart.join("Chart.yaml")).unwrap()).unwrap();
+    assert_eq!(meta["apiVersion"].as_str(), Some("v2"));
+    let mut docs = Vec::new();
+    for entry in std::fs::read_dir(chart.join("templates")).unwrap() {
+        let path = entry.unwrap().path();
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text = text.replace("{{ .Release.Namespace }}", "extension-gardenet");
+        for (key, value) in &values {
+            let value = serde_yaml::to_string(value).unwrap();
+            text = text.replace(&format!("{{{{ .Values.{key} }}}}"), value.trim_end());
+        }
+        assert!(!text.contains("{{"), "{}: template logic beyond value substitution", path.display());
+        docs.extend(docs_of_text(&format!("chart/templates/{}", path.file_name().unwrap().to_string_lossy()), &text));
+    }
+    docs
 }
 
 /// Parses a document of any kind deploy/ uses into its type; panics on kinds without one.
@@ -815,8 +841,7 @@ fn controller_registration_names_the_network_type() {
 
 #[test]
 fn extension_rbac_is_what_the_controller_uses() {
-    let path = deploy_dir().join("extension/controller.yaml");
-    let docs = docs_of_text("controller.yaml", &std::fs::read_to_string(path).unwrap());
+    let docs = chart_docs();
     let cr: ClusterRole = strict(find(&docs, "ClusterRole"));
     let role: Role = strict(find(&docs, "Role"));
     let rules = rules_of(&cr.rules);
@@ -852,6 +877,8 @@ fn extension_rbac_is_what_the_controller_uses() {
     assert_eq!(pod.service_account_name, sa.metadata.name);
     let args = pod.containers[0].args.clone().unwrap();
     assert_eq!(args[0], "run");
+    assert_eq!(pod.containers[0].image.as_deref(), Some("gardenet-agent:latest"), "image from values.yaml");
+    assert!(args.contains(&"gardenet-agent:latest".to_owned()), "agent image from values.yaml: {args:?}");
     let lease = args.iter().skip_while(|a| *a != "--leader-election-name").nth(1).expect("lease name");
     assert_eq!(role.rules.unwrap()[1].resource_names.as_deref(), Some(&[lease.clone()][..]));
 }
