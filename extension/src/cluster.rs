@@ -59,6 +59,14 @@ pub struct ShootSpec {
     pub networking: Option<Networking>,
     #[serde(default)]
     pub hibernation: Option<Hibernation>,
+    #[serde(default)]
+    pub dns: Option<Dns>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Dns {
+    #[serde(default)]
+    pub domain: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -165,10 +173,16 @@ impl Shoot {
     }
 
     /// The API server endpoint from the advertised addresses, by [`ADDRESS_PREFERENCE`].
+    /// While a new Shoot has none yet (the Cluster is written at the start of gardenlet's
+    /// flow), Gardener's DNS name for it, `api.<spec.dns.domain>`, port 443.
     pub fn api_server_endpoint(&self) -> Option<ApiServerEndpoint> {
-        ADDRESS_PREFERENCE.iter().find_map(|want| {
+        let advertised = ADDRESS_PREFERENCE.iter().find_map(|want| {
             let addr = self.status.advertised_addresses.iter().find(|a| a.name == *want)?;
             parse_https_url(&addr.url)
+        });
+        advertised.or_else(|| {
+            let domain = self.spec.dns.as_ref()?.domain.as_deref().filter(|d| !d.is_empty())?;
+            Some(ApiServerEndpoint { host: format!("api.{domain}"), port: 443 })
         })
     }
 }
@@ -223,6 +237,8 @@ mod tests {
         let s = shoot(json!({"status": {"advertisedAddresses": [{"name": "external", "url": "https://api.foo.example.com"}]}}));
         assert_eq!(s.api_server_endpoint().unwrap().port, 443);
         assert_eq!(shoot(json!({})).api_server_endpoint(), None);
+        let s = shoot(json!({"spec": {"dns": {"domain": "foo.core.example.com"}}}));
+        assert_eq!(s.api_server_endpoint(), Some(ApiServerEndpoint { host: "api.foo.core.example.com".into(), port: 443 }));
         assert_eq!(parse_https_url("http://x"), None);
         assert_eq!(parse_https_url("https://[2001:db8::1]:6443/"), Some(ApiServerEndpoint { host: "2001:db8::1".into(), port: 6443 }));
         assert_eq!(parse_https_url("https://[2001:db8::1]").unwrap().port, 443);

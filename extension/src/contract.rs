@@ -34,8 +34,8 @@ pub enum Problem {
     NoDataplane { why: &'static str },
     #[error(
         "kube-proxy is disabled, so the gardenet agents cannot reach the API server through the `kubernetes` Service \
-         before they route it, and the Shoot advertises no https API server address (status.advertisedAddresses): \
-         set providerConfig.apiServer.host"
+         before they route it, and the Shoot has neither an https API server address (status.advertisedAddresses) \
+         nor a DNS domain (spec.dns.domain): set providerConfig.apiServer.host"
     )]
     NoApiServerAddress,
     #[error("{field}: {family} Service routing is not supported by gardenet (supported: {supported}); remove {family} or keep kube-proxy enabled")]

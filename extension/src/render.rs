@@ -234,7 +234,10 @@ mod tests {
         assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
         let agent = &pod.containers[0];
         assert_eq!(agent.image.as_deref(), Some("registry.example.com/gardenet-agent:v1"));
-        assert!(agent.args.as_ref().unwrap().contains(&"--kube-proxy-enabled=false".to_owned()));
+        let args = agent.args.as_ref().unwrap();
+        assert!(args.contains(&"--kube-proxy-enabled=false".to_owned()));
+        // The agents in a shoot never write the Network status: no seed, no credentials for it.
+        assert!(!args.iter().any(|a| a.starts_with("--network")), "{args:?}");
         let env: BTreeMap<_, _> = agent.env.iter().flatten().map(|e| (e.name.as_str(), e.value.clone())).collect();
         assert_eq!(env["KUBERNETES_SERVICE_HOST"].as_deref(), Some("api.example.com"));
         assert_eq!(env["KUBERNETES_SERVICE_PORT"].as_deref(), Some("443"));

@@ -310,6 +310,38 @@ async fn invalid_provider_config_names_the_field() {
 }
 
 #[tokio::test]
+async fn failed_shoots_and_wait_for_state_are_left_alone() {
+    let seed = ApiServer::start().await;
+    let clusters: Api<Cluster> = Api::all(client(&seed));
+    let mut failed = shoot(false);
+    failed["status"]["lastOperation"]["state"] = json!("Failed");
+    let cluster = Cluster::new(NS, ClusterSpec { shoot: failed, ..Default::default() });
+    clusters.create(&PostParams::default(), &cluster).await.unwrap();
+    let networks: Api<Network> = Api::namespaced(client(&seed), NS);
+    let network: Network = serde_json::from_value(json!({
+        "apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
+        "metadata": {"name": SHOOT, "namespace": NS, "annotations": {ANNOTATION_OPERATION: "reconcile", ANNOTATION_TIMESTAMP: now_stamp()}},
+        "spec": {"type": "gardenet", "podCIDR": "100.96.0.0/11", "serviceCIDR": "100.64.0.0/13"},
+    }))
+    .unwrap();
+    networks.create(&PostParams::default(), &network).await.unwrap();
+    let _running = Running::start(&seed);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let n = stored_network(&seed).unwrap();
+    assert!(n.get("status").is_none() && n["metadata"].get("finalizers").is_none(), "a failed shoot was touched: {n}");
+
+    // The shoot recovers (a new generation of it), but gardenlet is still moving state here.
+    annotate(&seed, "wait-for-state").await;
+    let recovered = Cluster::new(NS, ClusterSpec { shoot: shoot(false), ..Default::default() });
+    let patch = json!({"spec": serde_json::to_value(&recovered.spec).unwrap()});
+    clusters.patch(NS, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(stored_network(&seed).unwrap().get("status").is_none(), "acted during wait-for-state");
+    annotate(&seed, "reconcile").await;
+    until_operation(&seed, "Create", "Succeeded").await;
+}
+
+#[tokio::test]
 async fn delete_waits_for_the_managed_resource_then_releases_the_network() {
     let seed = ApiServer::start().await;
     create_like_gardenlet(&seed, false, None).await;
