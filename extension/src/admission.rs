@@ -5,7 +5,7 @@
 //! after the Shoot was accepted: a providerConfig that does not parse (the message names the
 //! field), IP families and CIDRs that do not fit together, and combinations the agent cannot
 //! honour with kube-proxy disabled. Anything malformed is denied with a clear message; no
-//! request can crash the server.
+//! request can crash the server. The certificate files are reloaded when they change.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -129,24 +129,94 @@ pub enum TlsError {
     Config(#[from] rustls::Error),
 }
 
-/// A TLS acceptor from PEM files (certificate chain, private key).
-pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
-    let read = |path: &Path, e: &dyn std::fmt::Display| TlsError::Read { path: path.to_owned(), message: e.to_string() };
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| read(cert, &e))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| read(cert, &e))?;
-    if certs.is_empty() {
-        return Err(TlsError::NoCertificate(cert.to_owned()));
-    }
-    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| read(key, &e))?;
+/// How often the certificate files are looked at again (they rotate, e.g. a Secret volume).
+pub const CERT_RECHECK: Duration = Duration::from_secs(10);
+
+/// A TLS acceptor from PEM files (certificate chain, private key). The files are read now
+/// (so a bad pair fails at start) and again whenever they change, at most every `recheck`.
+pub fn tls_acceptor(cert: &Path, key: &Path, recheck: Duration) -> Result<TlsAcceptor, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let resolver = FileCert::load(cert, key, provider.clone(), recheck)?;
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
-        .with_single_cert(certs, key)?;
+        .with_cert_resolver(Arc::new(resolver));
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// The certificate from files, reloaded when their modification times change. A reload that
+/// fails (e.g. the key written before the certificate) keeps the previous pair.
+#[derive(Debug)]
+struct FileCert {
+    cert: PathBuf,
+    key: PathBuf,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+    recheck: Duration,
+    state: std::sync::Mutex<Loaded>,
+}
+
+#[derive(Debug)]
+struct Loaded {
+    certified: Arc<rustls::sign::CertifiedKey>,
+    stamps: [Option<std::time::SystemTime>; 2],
+    checked: std::time::Instant,
+}
+
+impl FileCert {
+    fn load(cert: &Path, key: &Path, provider: Arc<rustls::crypto::CryptoProvider>, recheck: Duration) -> Result<Self, TlsError> {
+        let stamps = Self::stamps(cert, key);
+        let certified = Arc::new(Self::read(cert, key, &provider)?);
+        Ok(FileCert {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+            provider,
+            recheck,
+            state: std::sync::Mutex::new(Loaded { certified, stamps, checked: std::time::Instant::now() }),
+        })
+    }
+
+    fn stamps(cert: &Path, key: &Path) -> [Option<std::time::SystemTime>; 2] {
+        [cert, key].map(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+    }
+
+    fn read(cert: &Path, key: &Path, provider: &rustls::crypto::CryptoProvider) -> Result<rustls::sign::CertifiedKey, TlsError> {
+        let read = |path: &Path, e: &dyn std::fmt::Display| TlsError::Read { path: path.to_owned(), message: e.to_string() };
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+            .map_err(|e| read(cert, &e))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| read(cert, &e))?;
+        if certs.is_empty() {
+            return Err(TlsError::NoCertificate(cert.to_owned()));
+        }
+        let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| read(key, &e))?;
+        Ok(rustls::sign::CertifiedKey::from_der(certs, key_der, provider)?)
+    }
+
+    fn current(&self) -> Arc<rustls::sign::CertifiedKey> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.checked.elapsed() >= self.recheck {
+            state.checked = std::time::Instant::now();
+            let stamps = Self::stamps(&self.cert, &self.key);
+            if stamps != state.stamps {
+                match Self::read(&self.cert, &self.key, &self.provider) {
+                    Ok(certified) => {
+                        tracing::info!("reloaded the TLS certificate from {}", self.cert.display());
+                        state.certified = Arc::new(certified);
+                        state.stamps = stamps;
+                    }
+                    Err(e) => tracing::warn!("keeping the previous TLS certificate: {e}"),
+                }
+            }
+        }
+        state.certified.clone()
+    }
+}
+
+impl rustls::server::ResolvesServerCert for FileCert {
+    fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.current())
+    }
 }
 
 fn reply(code: StatusCode, body: Bytes) -> Response<Full<Bytes>> {
@@ -201,7 +271,7 @@ pub async fn serve(listener: TcpListener, acceptor: TlsAcceptor) {
 
 /// Binds `addr` and serves.
 pub async fn run(addr: SocketAddr, cert: &Path, key: &Path) -> anyhow::Result<()> {
-    let acceptor = tls_acceptor(cert, key)?;
+    let acceptor = tls_acceptor(cert, key, CERT_RECHECK)?;
     let listener = TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("binding {addr}: {e}"))?;
     tracing::info!("admission webhook on https://{addr}{VALIDATE_PATH}");
     serve(listener, acceptor).await;

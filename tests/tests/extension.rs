@@ -506,24 +506,33 @@ mod webhook {
         }
     }
 
-    async fn start() -> Webhook {
+    /// A fresh self-signed certificate for localhost, written to `dir`; returns it (DER).
+    fn write_cert(dir: &std::path::Path) -> rustls::pki_types::CertificateDer<'static> {
         let cert = rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
-        let dir = temp_dir("webhook");
-        let (cert_path, key_path) = (dir.join("tls.crt"), dir.join("tls.key"));
-        std::fs::write(&cert_path, cert.cert.pem()).unwrap();
-        std::fs::write(&key_path, cert.key_pair.serialize_pem()).unwrap();
-        let acceptor = admission::tls_acceptor(&cert_path, &key_path).expect("certificates from files");
-        std::fs::remove_dir_all(&dir).unwrap();
+        // Key first, then certificate: a reload in between sees a mismatched pair and keeps the old one.
+        std::fs::write(dir.join("tls.key"), cert.key_pair.serialize_pem()).unwrap();
+        std::fs::write(dir.join("tls.crt"), cert.cert.pem()).unwrap();
+        cert.cert.der().clone()
+    }
+
+    async fn start(dir: &std::path::Path) -> Webhook {
+        let ca = write_cert(dir);
+        let acceptor = admission::tls_acceptor(&dir.join("tls.crt"), &dir.join("tls.key"), Duration::ZERO).expect("certificates from files");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(admission::serve(listener, acceptor));
-        Webhook { addr, ca: cert.cert.der().clone(), task }
+        Webhook { addr, ca, task }
     }
 
     /// One HTTPS request; returns the status code and the body.
     async fn post(hook: &Webhook, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+        post_trusting(hook, &hook.ca, path, body).await.expect("TLS handshake")
+    }
+
+    /// One HTTPS request trusting `ca`; `None` if the handshake fails.
+    async fn post_trusting(hook: &Webhook, ca: &rustls::pki_types::CertificateDer<'static>, path: &str, body: &[u8]) -> Option<(u16, Vec<u8>)> {
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(hook.ca.clone()).unwrap();
+        roots.add(ca.clone()).unwrap();
         let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()
             .unwrap()
@@ -532,7 +541,7 @@ mod webhook {
         let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
         let tcp = tokio::net::TcpStream::connect(hook.addr).await.unwrap();
         let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-        let mut tls = connector.connect(name, tcp).await.expect("TLS handshake");
+        let mut tls = connector.connect(name, tcp).await.ok()?;
         let head = format!(
             "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
@@ -544,7 +553,7 @@ mod webhook {
         let text = String::from_utf8_lossy(&response).into_owned();
         let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
         let body = text.split_once("\r\n\r\n").map(|(_, b)| b.as_bytes().to_vec()).unwrap_or_default();
-        (code, body)
+        Some((code, body))
     }
 
     fn review(shoot: Value) -> Vec<u8> {
@@ -563,7 +572,8 @@ mod webhook {
 
     #[tokio::test]
     async fn admission_reviews_over_https() {
-        let hook = start().await;
+        let dir = temp_dir("webhook");
+        let hook = start(&dir).await;
         let path = admission::VALIDATE_PATH;
 
         let (code, body) = post(&hook, path, &review(shoot(false))).await;
@@ -598,5 +608,15 @@ mod webhook {
         assert_eq!(post(&hook, "/nowhere", b"{}").await.0, 404);
         let (code, body) = post(&hook, path, &review(shoot(true))).await;
         assert_eq!((code, answer(&body)["allowed"].clone()), (200, json!(true)));
+
+        // The certificate rotates on disk: new connections get the new one.
+        let old_ca = hook.ca.clone();
+        tokio::time::sleep(Duration::from_millis(20)).await; // a different modification time
+        let new_ca = write_cert(&dir);
+        let body = review(shoot(true));
+        let (code, _) = eventually_within("rotated certificate served", PATIENCE, || post_trusting(&hook, &new_ca, path, &body)).await;
+        assert_eq!(code, 200);
+        assert!(post_trusting(&hook, &old_ca, path, &body).await.is_none(), "old certificate still served");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
