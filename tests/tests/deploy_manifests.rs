@@ -11,7 +11,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-    CustomResourceDefinition, JSONSchemaProps, JSONSchemaPropsOrArray,
+    CustomResourceDefinition, JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::de::DeserializeOwned;
@@ -550,7 +550,12 @@ fn check_schema(value: &Value, schema: &JSONSchemaProps, path: &str, errors: &mu
                 match props.get(k) {
                     Some(s) => check_schema(v, s, &format!("{path}.{k}"), errors),
                     None if preserve => {}
-                    None => errors.push(format!("{path}.{k}: not in the schema (would be pruned)")),
+                    // A map: every value has the additionalProperties schema.
+                    None => match &schema.additional_properties {
+                        Some(JSONSchemaPropsOrBool::Schema(s)) => check_schema(v, s, &format!("{path}.{k}"), errors),
+                        Some(JSONSchemaPropsOrBool::Bool(true)) => {}
+                        _ => errors.push(format!("{path}.{k}: not in the schema (would be pruned)")),
+                    },
                 }
             }
         }
@@ -928,4 +933,51 @@ fn rendered_shoot_manifests_parse_strictly_and_keep_the_daemonset_properties() {
         let role: ClusterRole = strict(doc);
         assert!(!allows(&rules_of(&role.rules), "extensions.gardener.cloud", "networks/status", "patch"), "{}", doc.origin);
     }
+}
+
+/// What the extension writes must be accepted by the CRDs: the Network status of each
+/// outcome, and the ManagedResource.
+#[test]
+fn objects_written_by_the_extension_fit_the_crds() {
+    use gardenet_agent::gardener::config::ServiceRouting;
+    use gardenet_agent::gardener::network::LastOperationType;
+    use gardenet_extension::{cluster::ApiServerEndpoint, contract::Plan, managed, status};
+    let plan = Plan {
+        config: NetworkConfig::default(),
+        routing: ServiceRouting::Required,
+        kube_proxy_enabled: false,
+        api_server: Some(ApiServerEndpoint { host: "api.example.com".into(), port: 443 }),
+        ip_families: vec![network::IpFamily::IPv4],
+    };
+    let at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time("2025-05-01T10:00:00Z".parse().unwrap());
+    let t = LastOperationType::Reconcile;
+    let patches = [
+        status::processing(&t, &at),
+        status::succeeded(&t, 2, Some((&plan, status::provider_status(&plan, "managedresource-x-0123abcd"))), &at),
+        status::error(&t, 2, "kube-proxy is disabled ...", true, &at),
+    ];
+    for patch in patches {
+        let mut object = serde_json::json!({
+            "apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
+            "metadata": {"name": "n", "namespace": "shoot--a--b"},
+            "spec": {"type": "gardenet", "podCIDR": "100.96.0.0/11", "serviceCIDR": "100.64.0.0/13"},
+        });
+        // A merge patch's nulls delete; the stored object has none.
+        let mut status = patch["status"].clone();
+        status.as_object_mut().unwrap().retain(|_, v| !v.is_null());
+        object["status"] = status;
+        assert_conforms(&object, &format!("the extension's status {}", patch["status"]["lastOperation"]["state"]));
+    }
+
+    let docs = extension_docs();
+    let crd: CustomResourceDefinition = strict(
+        docs.iter()
+            .find(|d| d.kind == "CustomResourceDefinition" && d.value["spec"]["names"]["kind"].as_str() == Some("ManagedResource"))
+            .expect("ManagedResource CRD"),
+    );
+    let schema = crd.spec.versions[0].schema.clone().and_then(|s| s.open_api_v3_schema).unwrap();
+    let mr = serde_json::to_value(managed::managed_resource("shoot--a--b", managed::NAME, "managedresource-x-0123abcd", true)).unwrap();
+    let mut errors = Vec::new();
+    check_schema(&mr, &schema, "", &mut errors);
+    assert!(errors.is_empty(), "ManagedResource does not fit its CRD: {errors:#?}");
 }
