@@ -410,3 +410,21 @@ async fn migrate(ctx: &Ctx, api: &Api<Network>, network: &Network) -> Result<Act
     info!("Successfully migrated the network");
     Ok(Action::await_change())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::Problem;
+
+    #[test]
+    fn only_configuration_problems_carry_the_code() {
+        assert!(Error::Configuration(Problems(vec![Problem::ReplacementRefused])).is_configuration_problem());
+        let bad_shoot = serde_json::from_value::<Shoot>(json!({"spec": 1})).unwrap_err();
+        assert!(Error::BadShoot { cluster: "c".into(), source: bad_shoot }.is_configuration_problem());
+        assert!(!Error::ClusterMissing("c".into()).is_configuration_problem());
+        assert!(!Error::ManagedResourceStuck { name: "m".into(), waited: Duration::from_secs(1) }.is_configuration_problem());
+        let timeout = Error::Timeout { what: "x".into(), limit: Duration::from_secs(1) };
+        assert!(!timeout.is_configuration_problem());
+        assert_eq!(timeout.kind(), "api");
+    }
+}

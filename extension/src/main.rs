@@ -77,6 +77,18 @@ fn main() -> anyhow::Result<()> {
     })
 }
 
+/// SIGTERM (what Kubernetes sends) or SIGINT.
+async fn terminated() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let config = match &args.kubeconfig {
         Some(path) => {
@@ -100,7 +112,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     while !leadership.is_leader() {
         tokio::select! {
             _ = changes.changed() => {}
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = terminated() => return Ok(()),
         }
     }
     tracing::info!("leading; starting the controller");
@@ -121,7 +133,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         };
         tokio::select! {
             _ = lost => tracing::warn!("lost leadership"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("stopping"),
+            _ = terminated() => tracing::info!("stopping"),
         }
     };
     controller::run(client, settings, metrics, health, lost).await;
