@@ -66,6 +66,13 @@ async fn run_reconciles_as_the_elected_leader() {
     let (code, metrics) = http_get(port, "/metrics").await.expect("metrics");
     assert_eq!(code, 200);
     assert!(metrics.contains("gardenet_extension_reconciles_total{operation=\"create\"} 1"), "{metrics}");
-    child.kill().await.unwrap();
+    // SIGTERM, as Kubernetes stops a pod: the controller stops and gives the Lease up.
+    let pid = child.id().expect("running").to_string();
+    let status = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(status.success());
+    let exit = tokio::time::timeout(PATIENCE, child.wait()).await.expect("exits on SIGTERM").unwrap();
+    assert!(exit.success(), "{exit:?}");
+    let lease = seed.get("Lease", Some("garden"), "gardenet-extension-leader-election").unwrap();
+    assert!(lease["spec"]["holderIdentity"].is_null(), "Lease not released: {lease}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
