@@ -32,6 +32,9 @@ use crate::serve::Health;
 use crate::shoot::{self, ShootAccessError};
 use crate::status;
 
+/// Wait before retrying after a write lost a race (409).
+const CONFLICT_RETRY: Duration = Duration::from_millis(200);
+
 /// Field manager of the extension's server-side applies.
 pub const FIELD_MANAGER: &str = "gardenet-extension";
 
@@ -217,6 +220,12 @@ async fn reconcile(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action, Error>
     };
     match result {
         Ok(action) => Ok(action),
+        // Someone else changed the Network meanwhile (e.g. gardenlet's next request): routine,
+        // not an error to report; the next run starts from the new version.
+        Err(e) if is_code(&e, 409) => {
+            debug!("{e}; retrying");
+            Ok(Action::requeue(CONFLICT_RETRY))
+        }
         Err(e) => {
             ctx.metrics.failed(&op_name, e.kind());
             let at = status::operation_time(now(), &network);
