@@ -20,7 +20,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use serde_json::{json, Value};
-use tracing::{debug, info, warn};
+use tracing::{debug, info, warn, Instrument};
 
 use crate::cluster::{Cluster, Shoot};
 use crate::contract::{self, Plan, Problems};
@@ -165,7 +165,13 @@ fn key(network: &Network) -> String {
     format!("{}/{}", network.namespace().unwrap_or_default(), network.name_any())
 }
 
+/// One reconcile, logged within a span that carries the Network's key.
 async fn reconcile(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    let span = tracing::info_span!("reconcile", network = %key(&cached));
+    reconcile_network(cached, ctx).instrument(span).await
+}
+
+async fn reconcile_network(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let namespace = cached.namespace().ok_or(Error::NoNamespace)?;
     let name = cached.name_any();
     let api: Api<Network> = Api::namespaced(ctx.seed.clone(), &namespace);
@@ -181,8 +187,7 @@ async fn reconcile(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action, Error>
     let shoot = cluster.as_ref().map(|c| c.shoot().map_err(|source| Error::BadShoot { cluster: namespace.clone(), source }));
     let shoot_failed = matches!(&shoot, Some(Ok(s)) if s.is_failed());
     let decision = operation::decide(&Facts::of(&network, shoot_failed));
-    let span = tracing::info_span!("reconcile", network = %key(&network), ?decision);
-    let _enter = span.enter();
+    debug!(?decision);
     let op_type = match decision {
         Decision::Skip(reason) => {
             debug!(?reason, "skipping");
