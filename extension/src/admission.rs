@@ -372,13 +372,15 @@ mod tests {
 
     #[test]
     fn garbage_is_denied_not_fatal() {
-        for body in [&b"not json"[..], b"{}", b"[]", b"{\"kind\":\"AdmissionReview\"}", b"{\"kind\":\"AdmissionReview\",\"request\":{}}", &[0xff, 0xfe]] {
+        let bodies = [&b"not json"[..], b"{}", b"[]", b"{\"kind\":\"AdmissionReview\"}", b"{\"kind\":\"AdmissionReview\",\"request\":{}}"];
+        for body in bodies.into_iter().chain([&[0xff, 0xfe][..]]) {
             let r = review(body);
             assert_eq!(r["kind"], "AdmissionReview");
             assert_eq!(r["response"]["allowed"], false, "{r}");
             assert_eq!(r["response"]["status"]["code"], 400);
         }
-        let body = json!({"kind": "AdmissionReview", "request": {"uid": "x", "kind": {"kind": "Shoot"}, "operation": "CREATE", "object": {"spec": {"networking": {"type": "gardenet"}, "kubernetes": {"kubeProxy": {"enabled": "no"}}}}}});
+        let object = json!({"spec": {"networking": {"type": "gardenet"}, "kubernetes": {"kubeProxy": {"enabled": "no"}}}});
+        let body = json!({"kind": "AdmissionReview", "request": {"uid": "x", "kind": {"kind": "Shoot"}, "operation": "CREATE", "object": object}});
         let r = review(body.to_string().as_bytes());
         assert_eq!(r["response"]["allowed"], false);
         assert!(r["response"]["status"]["message"].as_str().unwrap().contains("not a valid Shoot"), "{r}");

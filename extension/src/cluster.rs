@@ -218,7 +218,8 @@ mod tests {
 
     #[test]
     fn failed_only_for_the_current_generation() {
-        let s = shoot(json!({"metadata": {"generation": 3}, "status": {"observedGeneration": 3, "lastOperation": {"state": "Failed", "type": "Reconcile"}}}));
+        let failed = json!({"observedGeneration": 3, "lastOperation": {"state": "Failed", "type": "Reconcile"}});
+        let s = shoot(json!({"metadata": {"generation": 3}, "status": failed}));
         assert!(s.is_failed());
         let s = shoot(json!({"metadata": {"generation": 4}, "status": {"observedGeneration": 3, "lastOperation": {"state": "Failed"}}}));
         assert!(!s.is_failed());

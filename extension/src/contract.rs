@@ -38,7 +38,10 @@ pub enum Problem {
          nor a DNS domain (spec.dns.domain): set providerConfig.apiServer.host"
     )]
     NoApiServerAddress,
-    #[error("{field}: {family} Service routing is not supported by gardenet (supported: {supported}); remove {family} or keep kube-proxy enabled")]
+    #[error(
+        "{field}: {family} Service routing is not supported by gardenet (supported: {supported}); \
+         remove {family} or keep kube-proxy enabled"
+    )]
     UnsupportedIpFamily { field: &'static str, family: IpFamily, supported: String },
     #[error("{field}: {value:?} is not a CIDR ({reason})")]
     InvalidCidr { field: &'static str, value: String, reason: &'static str },

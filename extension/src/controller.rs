@@ -132,7 +132,13 @@ fn is_code(e: &Error, code: u16) -> bool {
 }
 
 /// Runs the controller until `shutdown` resolves.
-pub async fn run(seed: Client, settings: Settings, metrics: Arc<Metrics>, health: Arc<Health>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
+pub async fn run(
+    seed: Client,
+    settings: Settings,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
     let networks: Api<Network> = Api::all(seed.clone());
     let clusters: Api<Cluster> = Api::all(seed.clone());
     let ctx = Arc::new(Ctx { seed, settings, metrics });
@@ -236,8 +242,8 @@ async fn reconcile_network(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action
             let at = status::operation_time(now(), &network);
             let generation = network.metadata.generation.unwrap_or_default();
             let patch = status::error(&op_type, generation, &e.to_string(), e.is_configuration_problem(), &at);
-            if let Err(write) = ctx.call("writing the error status", api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))).await {
-                warn!("{write}");
+            if let Err(write) = patch_status(&ctx, &api, &network, &patch).await {
+                warn!("writing the error status: {write}");
             }
             Err(e)
         }
@@ -287,7 +293,14 @@ async fn remove_operation_annotation(ctx: &Ctx, api: &Api<Network>, network: &Ne
 }
 
 /// Create, Reconcile and Restore: render, write Secret and ManagedResource, report.
-async fn deploy(ctx: &Ctx, api: &Api<Network>, network: &Network, cluster: &Cluster, shoot: &Shoot, op_type: &LastOperationType) -> Result<Action, Error> {
+async fn deploy(
+    ctx: &Ctx,
+    api: &Api<Network>,
+    network: &Network,
+    cluster: &Cluster,
+    shoot: &Shoot,
+    op_type: &LastOperationType,
+) -> Result<Action, Error> {
     let namespace = network.namespace().ok_or(Error::NoNamespace)?;
     let network = add_finalizer(ctx, api, network.clone()).await?;
     let network = patch_status(ctx, api, &network, &status::processing(op_type, &status::operation_time(now(), &network))).await?;

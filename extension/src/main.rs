@@ -104,7 +104,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     tokio::spawn(serve::serve(listener, health.clone(), metrics.clone()));
 
     let (stop_tx, stop) = shutdown_channel();
-    let elector = Elector::new(client.clone(), &args.leader_election_namespace, &args.leader_election_name, args.identity.clone(), LeaseTiming::default())?;
+    let (namespace, name) = (&args.leader_election_namespace, &args.leader_election_name);
+    let elector = Elector::new(client.clone(), namespace, name, args.identity.clone(), LeaseTiming::default())?;
     let leadership = elector.leadership();
     let election = tokio::spawn(elector.run(stop.clone()));
     let mut changes = leadership.subscribe();

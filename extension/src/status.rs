@@ -205,7 +205,13 @@ mod tests {
     fn condition_names_not_ready_nodes_and_is_written_only_on_change() {
         let nodes = [
             NodeReadiness { name: "a".into(), schedulable: true, agent_ready: Some(true), ..Default::default() },
-            NodeReadiness { name: "b".into(), schedulable: true, agent_ready: Some(false), reason: Some("syncing".into()), ..Default::default() },
+            NodeReadiness {
+                name: "b".into(),
+                schedulable: true,
+                agent_ready: Some(false),
+                reason: Some("syncing".into()),
+                ..Default::default()
+            },
         ];
         let mut n = network(None);
         let patch = condition_patch(&n, &plan(), &nodes, time("2025-01-01T10:00:00Z")).unwrap();
@@ -214,7 +220,8 @@ mod tests {
         assert_eq!(cond["type"], "ServiceRoutingReady");
         assert_eq!(cond["status"], "False");
         assert!(cond["message"].as_str().unwrap().contains("b (syncing)"), "{cond}");
-        n.status = Some(NetworkStatus { conditions: serde_json::from_value(patch["status"]["conditions"].clone()).unwrap(), ..Default::default() });
+        let conditions = serde_json::from_value(patch["status"]["conditions"].clone()).unwrap();
+        n.status = Some(NetworkStatus { conditions, ..Default::default() });
         assert_eq!(condition_patch(&n, &plan(), &nodes, time("2025-01-01T10:01:00Z")), None);
     }
 }

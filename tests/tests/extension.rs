@@ -378,7 +378,8 @@ async fn migrate_keeps_the_shoot_objects_and_restore_reconciles() {
     hold_managed_resource(&seed, false).await;
     let n = until_operation(&seed, "Migrate", "Succeeded").await;
     let n = if n["metadata"]["finalizers"].as_array().is_some_and(|f| !f.is_empty()) {
-        eventually("finalizer removed", || stored_network(&seed).filter(|n| n["metadata"]["finalizers"].as_array().is_none_or(Vec::is_empty))).await
+        let released = |n: &Value| n["metadata"]["finalizers"].as_array().is_none_or(Vec::is_empty);
+        eventually("finalizer removed", || stored_network(&seed).filter(released)).await
     } else {
         n
     };
@@ -423,7 +424,9 @@ async fn api_server_outage_is_ridden_out() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     seed.set_unavailable(true);
     // gardenlet (with its own way in) creates the objects while the controller is cut off.
-    seed.apply(json!({"apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Cluster", "metadata": {"name": NS}, "spec": {"shoot": shoot(false)}}));
+    let mut cluster = json!({"apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Cluster", "metadata": {"name": NS}});
+    cluster["spec"] = json!({"shoot": shoot(false)});
+    seed.apply(cluster);
     seed.apply(json!({
         "apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
         "metadata": {"name": SHOOT, "namespace": NS, "generation": 1,
