@@ -23,6 +23,7 @@
 //! ```
 mod http;
 mod select;
+mod semantics;
 mod store;
 
 use std::{
@@ -445,6 +446,41 @@ mod tests {
             Some("application/apply-patch+yaml")
         );
         assert!(patches[1].query.contains("fieldManager=gardenet"));
+    }
+
+    /// A custom resource with a status subresource behaves as on a real server: status only
+    /// through `/status`, generation bumped by spec changes, finalizers holding a DELETE.
+    #[tokio::test]
+    async fn custom_resources_follow_status_generation_and_finalizers() {
+        use kube::api::DeleteParams;
+        let server = ApiServer::start().await;
+        let gvk = GroupVersionKind::gvk("extensions.gardener.cloud", "v1alpha1", "Network");
+        let resource = ApiResource::from_gvk_with_plural(&gvk, "networks");
+        let networks: Api<DynamicObject> = Api::namespaced_with(client(&server), "ns", &resource);
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
+            "metadata": {"name": "n", "finalizers": ["f"]}, "spec": {"type": "a"}, "status": {"x": 1},
+        }))
+        .unwrap();
+        let created = networks.create(&PostParams::default(), &obj).await.unwrap();
+        assert_eq!(created.metadata.generation, Some(1));
+        assert!(created.data.get("status").is_none(), "status dropped on create");
+
+        let pp = PatchParams::default();
+        let p = networks.patch("n", &pp, &Patch::Merge(json!({"spec": {"type": "b"}, "status": {"x": 2}}))).await.unwrap();
+        assert_eq!(p.metadata.generation, Some(2));
+        assert!(p.data.get("status").is_none(), "status ignored on the main resource");
+        let p = networks.patch_status("n", &pp, &Patch::Merge(json!({"spec": {"type": "c"}, "status": {"x": 3}}))).await.unwrap();
+        assert_eq!((p.data["status"]["x"].clone(), p.data["spec"]["type"].clone()), (json!(3), json!("b")));
+        assert_eq!(p.metadata.generation, Some(2));
+
+        networks.delete("n", &DeleteParams::default()).await.unwrap();
+        let held = networks.get("n").await.unwrap();
+        assert!(held.metadata.deletion_timestamp.is_some());
+        let more = json!({"metadata": {"finalizers": ["f", "g"]}});
+        assert_eq!(api_code(networks.patch("n", &pp, &Patch::Merge(more)).await), 422);
+        networks.patch("n", &pp, &Patch::Merge(json!({"metadata": {"finalizers": []}}))).await.unwrap();
+        assert_eq!(api_code(networks.get("n").await), 404);
     }
 
     #[tokio::test]

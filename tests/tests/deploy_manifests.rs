@@ -6,11 +6,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use gardenet_agent::gardener::{aggregate, config::NetworkConfig, network};
-use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, ServiceAccount};
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-    CustomResourceDefinition, JSONSchemaProps, JSONSchemaPropsOrArray,
+    CustomResourceDefinition, JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::de::DeserializeOwned;
@@ -30,42 +31,54 @@ struct Doc {
 }
 
 fn docs() -> Vec<Doc> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(deploy_dir())
-        .expect("deploy/ exists")
+    docs_in(&deploy_dir())
+}
+
+/// Every object in the YAML files directly in `dir`.
+fn docs_in(dir: &Path) -> Vec<Doc> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
         .collect();
     files.sort();
-    assert!(!files.is_empty(), "no manifests in deploy/");
+    assert!(!files.is_empty(), "no manifests in {}", dir.display());
 
     let mut out = Vec::new();
     for file in files {
         let name = file.file_name().unwrap().to_string_lossy().into_owned();
         let text = std::fs::read_to_string(&file).unwrap();
-        let before = out.len();
-        for (i, de) in serde_yaml::Deserializer::from_str(&text).enumerate() {
-            let origin = format!("{name}#{i}");
-            let value = serde_yaml::Value::deserialize(de)
-                .unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
-            if value.is_null() {
-                continue; // an empty document, e.g. before the first `---`
-            }
-            let field = |k: &str| {
-                value
-                    .get(k)
-                    .and_then(|v| v.as_str())
-                    .unwrap_or_else(|| panic!("{origin}: no {k}"))
-                    .to_owned()
-            };
-            let (api_version, kind) = (field("apiVersion"), field("kind"));
-            out.push(Doc {
-                origin,
-                api_version,
-                kind,
-                value,
-            });
+        let found = docs_of_text(&name, &text);
+        assert!(!found.is_empty(), "{name} holds no object");
+        out.extend(found);
+    }
+    out
+}
+
+/// The objects of one multi-document YAML text.
+fn docs_of_text(name: &str, text: &str) -> Vec<Doc> {
+    let mut out = Vec::new();
+    for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let origin = format!("{name}#{i}");
+        let value = serde_yaml::Value::deserialize(de)
+            .unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
+        if value.is_null() {
+            continue; // an empty document, e.g. before the first `---`
         }
-        assert!(out.len() > before, "{name} holds no object");
+        let field = |k: &str| {
+            value
+                .get(k)
+                .and_then(|v| v.as_str())
+                .unwrap_or_else(|| panic!("{origin}: no {k}"))
+                .to_owned()
+        };
+        let (api_version, kind) = (field("apiVersion"), field("kind"));
+        out.push(Doc {
+            origin,
+            api_version,
+            kind,
+            value,
+        });
     }
     out
 }
@@ -173,7 +186,11 @@ fn containers(ds: &DaemonSet) -> (Vec<Container>, Vec<Container>) {
 
 #[test]
 fn daemonset_properties() {
-    let ds: DaemonSet = one("DaemonSet");
+    check_daemonset(&one("DaemonSet"));
+}
+
+/// What the agent DaemonSet must be, in deploy/ and as the extension renders it for shoots.
+fn check_daemonset(ds: &DaemonSet) {
     assert_eq!(ds.metadata.namespace.as_deref(), Some("kube-system"));
     let spec = &ds.spec;
     let pod = spec.template.spec.as_ref().unwrap();
@@ -215,7 +232,7 @@ fn daemonset_properties() {
         assert_eq!(labels.get(k), Some(v), "template lacks selector label {k}");
     }
 
-    let (main, init) = containers(&ds);
+    let (main, init) = containers(ds);
     assert_eq!(main.len(), 1);
     let agent = &main[0];
     assert_eq!(
@@ -533,7 +550,12 @@ fn check_schema(value: &Value, schema: &JSONSchemaProps, path: &str, errors: &mu
                 match props.get(k) {
                     Some(s) => check_schema(v, s, &format!("{path}.{k}"), errors),
                     None if preserve => {}
-                    None => errors.push(format!("{path}.{k}: not in the schema (would be pruned)")),
+                    // A map: every value has the additionalProperties schema.
+                    None => match &schema.additional_properties {
+                        Some(JSONSchemaPropsOrBool::Schema(s)) => check_schema(v, s, &format!("{path}.{k}"), errors),
+                        Some(JSONSchemaPropsOrBool::Bool(true)) => {}
+                        _ => errors.push(format!("{path}.{k}: not in the schema (would be pruned)")),
+                    },
                 }
             }
         }
@@ -696,8 +718,18 @@ fn readme_describes_every_manifest() {
     let readme = std::fs::read_to_string(deploy_dir().join("README.md")).expect("deploy/README.md");
     let mut names: BTreeMap<String, bool> = BTreeMap::new();
     for entry in std::fs::read_dir(deploy_dir()).unwrap() {
-        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
-        if name != "README.md" {
+        let entry = entry.unwrap();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.path().is_dir() {
+            // A directory is described as `dir/`, and each file in it as `dir/file`.
+            names.insert(format!("{name}/"), readme.contains(&format!("`{name}/`")));
+            for file in std::fs::read_dir(entry.path()).unwrap() {
+                let file = file.unwrap().file_name().to_string_lossy().into_owned();
+                let path = format!("{name}/{file}");
+                let described = readme.contains(&format!("`{path}`")) || readme.contains(&format!("`{path}/`"));
+                names.insert(path, described);
+            }
+        } else if name != "README.md" {
             names.insert(name.clone(), readme.contains(&format!("`{name}`")));
         }
     }
@@ -714,4 +746,238 @@ fn readme_describes_every_manifest() {
         readme.contains("privileged: true"),
         "README.md documents the privileged fallback"
     );
+}
+
+// --- gardenet-extension: deploy/extension/ and the manifests it renders into shoots ---
+
+fn extension_docs() -> Vec<Doc> {
+    let mut docs = docs_in(&deploy_dir().join("extension"));
+    docs.extend(chart_docs());
+    docs
+}
+
+/// The controller chart rendered as Helm would with its default values. The templates only
+/// substitute values (no logic), so plain replacement is Helm's result.
+fn chart_docs() -> Vec<Doc> {
+    let chart = deploy_dir().join("extension/chart");
+    let values: BTreeMap<String, serde_yaml::Value> =
+        serde_yaml::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let meta: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(chart.join("Chart.yaml")).unwrap()).unwrap();
+    assert_eq!(meta["apiVersion"].as_str(), Some("v2"));
+    let mut docs = Vec::new();
+    for entry in std::fs::read_dir(chart.join("templates")).unwrap() {
+        let path = entry.unwrap().path();
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text = text.replace("{{ .Release.Namespace }}", "extension-gardenet");
+        for (key, value) in &values {
+            let value = serde_yaml::to_string(value).unwrap();
+            text = text.replace(&format!("{{{{ .Values.{key} }}}}"), value.trim_end());
+        }
+        assert!(!text.contains("{{"), "{}: template logic beyond value substitution", path.display());
+        docs.extend(docs_of_text(&format!("chart/templates/{}", path.file_name().unwrap().to_string_lossy()), &text));
+    }
+    docs
+}
+
+/// Parses a document of any kind deploy/ uses into its type; panics on kinds without one.
+fn check_strictly(doc: &Doc) {
+    match (doc.api_version.as_str(), doc.kind.as_str()) {
+        ("v1", "Namespace") => drop(strict::<Namespace>(doc)),
+        ("v1", "ServiceAccount") => drop(strict::<ServiceAccount>(doc)),
+        ("v1", "Service") => drop(strict::<Service>(doc)),
+        ("v1", "ConfigMap") => drop(strict::<ConfigMap>(doc)),
+        ("apps/v1", "Deployment") => drop(strict::<Deployment>(doc)),
+        ("apps/v1", "DaemonSet") => drop(strict::<DaemonSet>(doc)),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => drop(strict::<ClusterRole>(doc)),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => drop(strict::<ClusterRoleBinding>(doc)),
+        ("rbac.authorization.k8s.io/v1", "Role") => drop(strict::<Role>(doc)),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => drop(strict::<RoleBinding>(doc)),
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => drop(strict::<CustomResourceDefinition>(doc)),
+        ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration") => {
+            drop(strict::<ValidatingWebhookConfiguration>(doc))
+        }
+        // Gardener's own types: no Rust types here; their fields are asserted below.
+        ("core.gardener.cloud/v1beta1", "ControllerRegistration") | ("core.gardener.cloud/v1", "ControllerDeployment") => {}
+        (api, kind) => panic!("{}: no type to check {api} {kind} against; add it here", doc.origin),
+    }
+}
+
+fn find<'a>(docs: &'a [Doc], kind: &str) -> &'a Doc {
+    let mut matching = docs.iter().filter(|d| d.kind == kind);
+    let doc = matching.next().unwrap_or_else(|| panic!("no {kind}"));
+    assert!(matching.next().is_none(), "more than one {kind}");
+    doc
+}
+
+fn json_of(doc: &Doc) -> Value {
+    serde_json::to_value(&doc.value).unwrap()
+}
+
+#[test]
+fn extension_manifests_parse_strictly() {
+    let docs = extension_docs();
+    for doc in &docs {
+        check_strictly(doc);
+    }
+    let kinds: BTreeSet<&str> = docs.iter().map(|d| d.kind.as_str()).collect();
+    for kind in ["Deployment", "ClusterRole", "ValidatingWebhookConfiguration", "ControllerRegistration", "ControllerDeployment"] {
+        assert!(kinds.contains(kind), "deploy/extension has no {kind}");
+    }
+    let crds: BTreeSet<String> = docs
+        .iter()
+        .filter(|d| d.kind == "CustomResourceDefinition")
+        .map(|d| strict::<CustomResourceDefinition>(d).metadata.name.unwrap())
+        .collect();
+    assert_eq!(
+        crds,
+        BTreeSet::from(["clusters.extensions.gardener.cloud".to_owned(), "managedresources.resources.gardener.cloud".to_owned()])
+    );
+}
+
+#[test]
+fn controller_registration_names_the_network_type() {
+    let docs = extension_docs();
+    let reg = json_of(find(&docs, "ControllerRegistration"));
+    let dep = json_of(find(&docs, "ControllerDeployment"));
+    assert_eq!(reg["spec"]["resources"], serde_json::json!([{"kind": "Network", "type": "gardenet", "primary": true}]));
+    assert_eq!(reg["spec"]["deployment"]["deploymentRefs"][0]["name"], dep["metadata"]["name"]);
+    assert!(dep["helm"]["ociRepository"]["ref"].is_string() || dep["helm"]["rawChart"].is_string());
+}
+
+#[test]
+fn extension_rbac_is_what_the_controller_uses() {
+    let docs = chart_docs();
+    let cr: ClusterRole = strict(find(&docs, "ClusterRole"));
+    let role: Role = strict(find(&docs, "Role"));
+    let rules = rules_of(&cr.rules);
+    for r in rules.iter().chain(&rules_of(&role.rules)) {
+        for word in r.verbs.iter().chain(r.resources.iter().flatten()).chain(r.api_groups.iter().flatten()) {
+            assert_ne!(word, "*", "wildcard in {r:?}");
+        }
+    }
+    for (group, resource, verbs) in [
+        ("extensions.gardener.cloud", "networks", &["get", "list", "watch", "patch"][..]),
+        ("extensions.gardener.cloud", "networks/status", &["patch"]),
+        ("extensions.gardener.cloud", "clusters", &["get", "list", "watch"]),
+        ("resources.gardener.cloud", "managedresources", &["get", "create", "patch", "delete"]),
+        ("", "secrets", &["get", "list", "create", "delete"]),
+    ] {
+        for verb in verbs {
+            assert!(allows(&rules, group, resource, verb), "ClusterRole lacks {verb} {group}/{resource}");
+        }
+    }
+    for (group, resource, verb) in [
+        ("extensions.gardener.cloud", "networks", "delete"),
+        ("extensions.gardener.cloud", "clusters", "patch"),
+        ("", "secrets", "update"),
+        ("", "nodes", "list"),
+        ("", "pods", "list"),
+        ("coordination.k8s.io", "leases", "get"),
+    ] {
+        assert!(!allows(&rules, group, resource, verb), "ClusterRole allows {verb} {group}/{resource}");
+    }
+    let deployment: Deployment = strict(find(&docs, "Deployment"));
+    let pod = deployment.spec.template.spec.unwrap();
+    let sa: ServiceAccount = strict(find(&docs, "ServiceAccount"));
+    assert_eq!(pod.service_account_name, sa.metadata.name);
+    let args = pod.containers[0].args.clone().unwrap();
+    assert_eq!(args[0], "run");
+    assert_eq!(pod.containers[0].image.as_deref(), Some("gardenet-agent:latest"), "image from values.yaml");
+    assert!(args.contains(&"gardenet-agent:latest".to_owned()), "agent image from values.yaml: {args:?}");
+    let lease = args.iter().skip_while(|a| *a != "--leader-election-name").nth(1).expect("lease name");
+    assert_eq!(role.rules.unwrap()[1].resource_names.as_deref(), Some(&[lease.clone()][..]));
+}
+
+#[test]
+fn webhook_selects_shoots_of_type_gardenet() {
+    let docs = extension_docs();
+    let config: ValidatingWebhookConfiguration = strict(find(&docs, "ValidatingWebhookConfiguration"));
+    let hook = &config.webhooks.unwrap()[0];
+    assert_eq!(
+        hook.object_selector.as_ref().and_then(|s| s.match_labels.clone()),
+        Some(BTreeMap::from([("networking.extensions.gardener.cloud/gardenet".to_owned(), "true".to_owned())]))
+    );
+    let rule = &hook.rules.as_ref().unwrap()[0];
+    assert_eq!(rule.resources.as_deref(), Some(&["shoots".to_owned()][..]));
+    assert_eq!(rule.operations.as_deref(), Some(&["CREATE".to_owned(), "UPDATE".to_owned()][..]));
+    let service = hook.client_config.service.as_ref().unwrap();
+    assert_eq!(service.path.as_deref(), Some(gardenet_extension::admission::VALIDATE_PATH));
+    assert_eq!(hook.admission_review_versions, ["v1"]);
+}
+
+#[test]
+fn rendered_shoot_manifests_parse_strictly_and_keep_the_daemonset_properties() {
+    use gardenet_agent::gardener::config::ServiceRouting;
+    use gardenet_extension::{cluster::ApiServerEndpoint, contract::Plan, render};
+    let plan = Plan {
+        config: NetworkConfig::default(),
+        routing: ServiceRouting::Required,
+        kube_proxy_enabled: false,
+        api_server: Some(ApiServerEndpoint { host: "api.example.com".into(), port: 443 }),
+        ip_families: vec![network::IpFamily::IPv4],
+    };
+    let rendered = render::render(&plan, &render::Settings { image: "gardenet-agent:test".into() }).unwrap();
+    let mut docs = Vec::new();
+    for (key, text) in &rendered {
+        docs.extend(docs_of_text(key, text));
+    }
+    for doc in &docs {
+        check_strictly(doc);
+    }
+    let ds: DaemonSet = strict(find(&docs, "DaemonSet"));
+    check_daemonset(&ds);
+    let cm: ConfigMap = strict(find(&docs, "ConfigMap"));
+    assert_eq!(NetworkConfig::from_yaml_str(&cm.data.unwrap()["config.yaml"]).unwrap(), plan.config);
+    // The shoot never gets access to seed or garden objects.
+    for doc in docs.iter().filter(|d| d.kind == "ClusterRole") {
+        let role: ClusterRole = strict(doc);
+        assert!(!allows(&rules_of(&role.rules), "extensions.gardener.cloud", "networks/status", "patch"), "{}", doc.origin);
+    }
+}
+
+/// What the extension writes must be accepted by the CRDs: the Network status of each
+/// outcome, and the ManagedResource.
+#[test]
+fn objects_written_by_the_extension_fit_the_crds() {
+    use gardenet_agent::gardener::config::ServiceRouting;
+    use gardenet_agent::gardener::network::LastOperationType;
+    use gardenet_extension::{cluster::ApiServerEndpoint, contract::Plan, managed, status};
+    let plan = Plan {
+        config: NetworkConfig::default(),
+        routing: ServiceRouting::Required,
+        kube_proxy_enabled: false,
+        api_server: Some(ApiServerEndpoint { host: "api.example.com".into(), port: 443 }),
+        ip_families: vec![network::IpFamily::IPv4],
+    };
+    let at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time("2025-05-01T10:00:00Z".parse().unwrap());
+    let t = LastOperationType::Reconcile;
+    let patches = [
+        status::processing(&t, &at),
+        status::succeeded(&t, 2, Some((&plan, status::provider_status(&plan, "managedresource-x-0123abcd"))), &at),
+        status::error(&t, 2, "kube-proxy is disabled ...", true, &at),
+    ];
+    for patch in patches {
+        let mut object = serde_json::json!({
+            "apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
+            "metadata": {"name": "n", "namespace": "shoot--a--b"},
+            "spec": {"type": "gardenet", "podCIDR": "100.96.0.0/11", "serviceCIDR": "100.64.0.0/13"},
+        });
+        // A merge patch's nulls delete; the stored object has none.
+        let mut status = patch["status"].clone();
+        status.as_object_mut().unwrap().retain(|_, v| !v.is_null());
+        object["status"] = status;
+        assert_conforms(&object, &format!("the extension's status {}", patch["status"]["lastOperation"]["state"]));
+    }
+
+    let docs = extension_docs();
+    let crd: CustomResourceDefinition = strict(
+        docs.iter()
+            .find(|d| d.kind == "CustomResourceDefinition" && d.value["spec"]["names"]["kind"].as_str() == Some("ManagedResource"))
+            .expect("ManagedResource CRD"),
+    );
+    let schema = crd.spec.versions[0].schema.clone().and_then(|s| s.open_api_v3_schema).unwrap();
+    let mr = serde_json::to_value(managed::managed_resource("shoot--a--b", managed::NAME, "managedresource-x-0123abcd", true)).unwrap();
+    let mut errors = Vec::new();
+    check_schema(&mr, &schema, "", &mut errors);
+    assert!(errors.is_empty(), "ManagedResource does not fit its CRD: {errors:#?}");
 }

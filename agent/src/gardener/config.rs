@@ -108,6 +108,24 @@ pub struct NetworkConfig {
     pub session_affinity: SessionAffinity,
     #[serde(default)]
     pub map_sizes: MapSizes,
+    /// Where the agents reach the shoot's API server while the `kubernetes` Service is not
+    /// routed yet (kube-proxy disabled). Read by `gardenet-extension`, which otherwise takes
+    /// it from the Shoot's advertised addresses; the agent itself ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_server: Option<ApiServer>,
+}
+
+/// `apiServer`: an API server endpoint override (`host` without scheme, `port` default 443).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiServer {
+    pub host: String,
+    #[serde(default = "default_api_server_port")]
+    pub port: u16,
+}
+
+fn default_api_server_port() -> u16 {
+    443
 }
 
 impl Default for NetworkConfig {
@@ -121,6 +139,7 @@ impl Default for NetworkConfig {
             xdp: Xdp::default(),
             session_affinity: SessionAffinity::default(),
             map_sizes: MapSizes::default(),
+            api_server: None,
         }
     }
 }
@@ -473,6 +492,15 @@ impl NetworkConfig {
                 ));
             }
         }
+        if let Some(api) = &self.api_server {
+            let host = api.host.as_str();
+            if host.is_empty() || host.contains("://") || host.contains('/') || host.chars().any(char::is_whitespace) {
+                return Err(ConfigError::new("apiServer.host", format!("is {host:?}, expected a host name or address without scheme or path")));
+            }
+            if api.port == 0 {
+                return Err(ConfigError::new("apiServer.port", "must be between 1 and 65535"));
+            }
+        }
         let t = self.session_affinity.default_timeout_seconds;
         if t == 0 || t > MAX_AFFINITY_TIMEOUT_SECONDS {
             return Err(ConfigError::new(
@@ -686,6 +714,16 @@ mapSizes:
             header()
         ));
         assert_eq!(e.field, "sessionAffinity.defaultTimeoutSeconds");
+    }
+
+    #[test]
+    fn api_server_override() {
+        let c = NetworkConfig::from_yaml_str(&format!("{}apiServer:\n  host: api.example.com\n", header())).unwrap();
+        assert_eq!(c.api_server, Some(ApiServer { host: "api.example.com".into(), port: 443 }));
+        let e = err(&format!("{}apiServer:\n  host: https://api.example.com\n", header()));
+        assert_eq!(e.field, "apiServer.host");
+        let e = err(&format!("{}apiServer:\n  host: a\n  port: 0\n", header()));
+        assert_eq!(e.field, "apiServer.port");
     }
 
     #[test]

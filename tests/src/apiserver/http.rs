@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use tokio::{sync::broadcast, time::Instant};
 
 use super::{
+    semantics,
     select::Selector,
     store::{name_of, namespace_of, not_found, Change, ChangeType, Coll, Failure, Target},
     RecordedRequest, Shared, Signal,
@@ -152,6 +153,7 @@ fn route(
                 let suffix = shared.store().resource_version() + 1;
                 obj["metadata"]["name"] = format!("{prefix}{suffix:05x}").into();
             }
+            semantics::on_create(coll, &mut obj);
             let created = shared.commit(|store| store.create(coll, &ns, obj))?;
             Ok(json_response(201, &created))
         }
@@ -171,13 +173,28 @@ fn route(
                     merged["metadata"]["resourceVersion"] = rv.clone();
                 }
                 obj = merged;
+            } else if let Some(current) = shared.store().get(coll, &ns, name) {
+                semantics::on_update(coll, current, &mut obj)?;
             }
-            let replaced = shared.commit(|store| store.replace(coll, &ns, obj))?;
+            let replaced = shared.commit(|store| {
+                if semantics::finalized(&obj) {
+                    store.replace(coll, &ns, obj)?;
+                    return store.remove(coll, &ns, name);
+                }
+                store.replace(coll, &ns, obj)
+            })?;
             Ok(json_response(200, &replaced))
         }
         (&Method::PATCH, Some(name)) => patch(shared, coll, &ns, name, status, content_type, body),
         (&Method::DELETE, Some(name)) => {
-            let deleted = shared.commit(|store| store.remove(coll, &ns, name))?;
+            // Finalizers hold the object: it is only marked (deletionTimestamp).
+            let deleted = shared.commit(|store| {
+                let current = store.get(coll, &ns, name).ok_or_else(|| not_found(coll, name))?;
+                match semantics::on_delete(current) {
+                    Some(marked) => Ok(store.put(coll, &ns, marked)),
+                    None => store.remove(coll, &ns, name),
+                }
+            })?;
             Ok(json_response(200, &deleted))
         }
         _ => Err(Failure::new(
@@ -248,9 +265,20 @@ fn patch(
         if status {
             doc["status"] = patched["status"].take();
         } else {
+            if !created {
+                semantics::on_update(coll, &doc, &mut patched)?;
+            } else {
+                semantics::on_create(coll, &mut patched);
+            }
             doc = patched;
         }
         doc["metadata"]["name"] = name.into();
+        if semantics::finalized(&doc) {
+            store.put(coll, ns, doc);
+            let change = store.remove(coll, ns, name)?;
+            result = Some((change.new.clone(), false));
+            return Ok(change);
+        }
         let change = store.put(coll, ns, doc);
         result = Some((change.new.clone(), created));
         Ok(change)

@@ -36,6 +36,19 @@ const KINDS: &[(&str, &str, &str, bool)] = &[
         "networks",
         true,
     ),
+    ("v1", "Secret", "secrets", true),
+    (
+        "extensions.gardener.cloud/v1alpha1",
+        "Cluster",
+        "clusters",
+        false,
+    ),
+    (
+        "resources.gardener.cloud/v1alpha1",
+        "ManagedResource",
+        "managedresources",
+        true,
+    ),
 ];
 
 impl Coll {
@@ -96,7 +109,7 @@ impl Coll {
 
     /// Built-in types are listed without per-item kind/apiVersion, like the real server does;
     /// custom resources keep theirs.
-    fn builtin(&self) -> bool {
+    pub fn builtin(&self) -> bool {
         match self.api_version.split_once('/') {
             None => true,
             Some((group, _)) => group.ends_with(".k8s.io") || !group.contains('.'),

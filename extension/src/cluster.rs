@@ -1,0 +1,254 @@
+//! The `Cluster` extension resource (`extensions.gardener.cloud/v1alpha1`, cluster-scoped,
+//! named like the shoot's namespace in the seed) and the Shoot fields gardenet reads from its
+//! `spec.shoot`, which is a raw `core.gardener.cloud/v1beta1` Shoot.
+//!
+//! Like the agent's Network type, reading is lenient: the Shoot is Gardener's, and a newer
+//! Gardener must not make the extension unable to read it.
+
+use gardenet_agent::gardener::network::{IpFamily, LastOperationState};
+use kube::CustomResource;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// `spec` of a Cluster: the CloudProfile, Seed and Shoot as raw objects.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[kube(group = "extensions.gardener.cloud", version = "v1alpha1", kind = "Cluster", plural = "clusters", schema = "disabled")]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterSpec {
+    #[serde(default)]
+    pub cloud_profile: Value,
+    #[serde(default)]
+    pub seed: Value,
+    #[serde(default)]
+    pub shoot: Value,
+}
+
+impl Cluster {
+    /// The Shoot in `spec.shoot`. Fields gardenet does not know are ignored.
+    pub fn shoot(&self) -> Result<Shoot, serde_json::Error> {
+        serde_json::from_value(self.spec.shoot.clone())
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Shoot {
+    #[serde(default)]
+    pub metadata: ShootMeta,
+    #[serde(default)]
+    pub spec: ShootSpec,
+    #[serde(default)]
+    pub status: ShootStatus,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShootMeta {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub generation: i64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShootSpec {
+    #[serde(default)]
+    pub kubernetes: Kubernetes,
+    #[serde(default)]
+    pub networking: Option<Networking>,
+    #[serde(default)]
+    pub hibernation: Option<Hibernation>,
+    #[serde(default)]
+    pub dns: Option<Dns>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Dns {
+    #[serde(default)]
+    pub domain: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Kubernetes {
+    #[serde(default)]
+    pub version: String,
+    #[serde(default)]
+    pub kube_proxy: Option<KubeProxy>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct KubeProxy {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+}
+
+/// `spec.networking` of a Shoot.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Networking {
+    #[serde(rename = "type", default)]
+    pub type_: Option<String>,
+    #[serde(default)]
+    pub provider_config: Option<Value>,
+    #[serde(default)]
+    pub pods: Option<String>,
+    #[serde(default)]
+    pub services: Option<String>,
+    #[serde(default)]
+    pub nodes: Option<String>,
+    #[serde(default)]
+    pub ip_families: Vec<IpFamily>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Hibernation {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShootStatus {
+    #[serde(default)]
+    pub advertised_addresses: Vec<AdvertisedAddress>,
+    #[serde(default)]
+    pub last_operation: Option<ShootLastOperation>,
+    #[serde(default)]
+    pub observed_generation: i64,
+    #[serde(default)]
+    pub is_hibernated: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct AdvertisedAddress {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub url: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct ShootLastOperation {
+    pub state: LastOperationState,
+}
+
+/// Where the agents reach the shoot's API server without the `kubernetes` Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiServerEndpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+/// The advertised addresses gardenet prefers, best first: the in-cluster route Gardener
+/// sets up for shoot components, then the public one.
+const ADDRESS_PREFERENCE: &[&str] = &["internal", "external", "unmanaged"];
+
+impl Shoot {
+    /// Gardener's default: kube-proxy runs unless disabled explicitly.
+    pub fn kube_proxy_enabled(&self) -> bool {
+        self.spec
+            .kubernetes
+            .kube_proxy
+            .as_ref()
+            .and_then(|k| k.enabled)
+            .unwrap_or(true)
+    }
+
+    /// Gardener's `IsFailed`: the shoot's last operation failed for its current generation.
+    /// Such shoots are left alone until a human (or a retry) moves them on.
+    pub fn is_failed(&self) -> bool {
+        self.status
+            .last_operation
+            .as_ref()
+            .is_some_and(|op| op.state == LastOperationState::Failed)
+            && self.metadata.generation == self.status.observed_generation
+    }
+
+    /// Hibernation requested: the shoot's nodes and API server go away, so there is nothing
+    /// to ask about node readiness.
+    pub fn is_hibernated(&self) -> bool {
+        self.spec.hibernation.as_ref().and_then(|h| h.enabled).unwrap_or(false) || self.status.is_hibernated
+    }
+
+    /// The API server endpoint from the advertised addresses, by [`ADDRESS_PREFERENCE`].
+    /// While a new Shoot has none yet (the Cluster is written at the start of gardenlet's
+    /// flow), Gardener's DNS name for it, `api.<spec.dns.domain>`, port 443.
+    pub fn api_server_endpoint(&self) -> Option<ApiServerEndpoint> {
+        let advertised = ADDRESS_PREFERENCE.iter().find_map(|want| {
+            let addr = self.status.advertised_addresses.iter().find(|a| a.name == *want)?;
+            parse_https_url(&addr.url)
+        });
+        advertised.or_else(|| {
+            let domain = self.spec.dns.as_ref()?.domain.as_deref().filter(|d| !d.is_empty())?;
+            Some(ApiServerEndpoint { host: format!("api.{domain}"), port: 443 })
+        })
+    }
+}
+
+/// `https://host[:port][/...]` -> host and port (443 by default). Anything else: `None`.
+pub fn parse_https_url(url: &str) -> Option<ApiServerEndpoint> {
+    let rest = url.strip_prefix("https://")?;
+    let authority = rest.split('/').next().unwrap_or_default();
+    let (host, port) = match authority.rsplit_once(':') {
+        // An IPv6 literal without a port ("[::1]") has colons but ends with ']'.
+        Some((h, p)) if !p.ends_with(']') => (h, p.parse().ok()?),
+        _ => (authority, 443),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (!host.is_empty() && port != 0).then(|| ApiServerEndpoint { host: host.to_owned(), port })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn shoot(v: Value) -> Shoot {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn kube_proxy_defaults_to_enabled() {
+        assert!(shoot(json!({})).kube_proxy_enabled());
+        assert!(shoot(json!({"spec": {"kubernetes": {"kubeProxy": {}}}})).kube_proxy_enabled());
+        assert!(!shoot(json!({"spec": {"kubernetes": {"kubeProxy": {"enabled": false}}}})).kube_proxy_enabled());
+    }
+
+    #[test]
+    fn failed_only_for_the_current_generation() {
+        let failed = json!({"observedGeneration": 3, "lastOperation": {"state": "Failed", "type": "Reconcile"}});
+        let s = shoot(json!({"metadata": {"generation": 3}, "status": failed}));
+        assert!(s.is_failed());
+        let s = shoot(json!({"metadata": {"generation": 4}, "status": {"observedGeneration": 3, "lastOperation": {"state": "Failed"}}}));
+        assert!(!s.is_failed());
+        let s = shoot(json!({"status": {"lastOperation": {"state": "Succeeded"}}}));
+        assert!(!s.is_failed());
+    }
+
+    #[test]
+    fn api_server_from_advertised_addresses() {
+        let s = shoot(json!({"status": {"advertisedAddresses": [
+            {"name": "external", "url": "https://api.foo.example.com"},
+            {"name": "internal", "url": "https://api.foo.internal.example.com:8443"},
+            {"name": "service-account-issuer", "url": "https://issuer.example.com"},
+        ]}}));
+        assert_eq!(s.api_server_endpoint(), Some(ApiServerEndpoint { host: "api.foo.internal.example.com".into(), port: 8443 }));
+        let s = shoot(json!({"status": {"advertisedAddresses": [{"name": "external", "url": "https://api.foo.example.com"}]}}));
+        assert_eq!(s.api_server_endpoint().unwrap().port, 443);
+        assert_eq!(shoot(json!({})).api_server_endpoint(), None);
+        let s = shoot(json!({"spec": {"dns": {"domain": "foo.core.example.com"}}}));
+        assert_eq!(s.api_server_endpoint(), Some(ApiServerEndpoint { host: "api.foo.core.example.com".into(), port: 443 }));
+        assert_eq!(parse_https_url("http://x"), None);
+        assert_eq!(parse_https_url("https://[2001:db8::1]:6443/"), Some(ApiServerEndpoint { host: "2001:db8::1".into(), port: 6443 }));
+        assert_eq!(parse_https_url("https://[2001:db8::1]").unwrap().port, 443);
+        assert_eq!(parse_https_url("https://:443"), None);
+    }
+
+    #[test]
+    fn hibernation() {
+        assert!(shoot(json!({"spec": {"hibernation": {"enabled": true}}})).is_hibernated());
+        assert!(!shoot(json!({"spec": {"hibernation": {"enabled": false}}})).is_hibernated());
+    }
+}
