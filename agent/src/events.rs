@@ -50,7 +50,7 @@ impl ProblemEvents {
             };
             let ev = Event {
                 type_: EventType::Warning,
-                reason: "ServiceNotProgrammed".into(),
+                reason: p.kind.event_reason().into(),
                 note: Some(p.message.chars().take(1000).collect()),
                 action: "Program".into(),
                 secondary: None,

@@ -20,7 +20,10 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{pipeline::FlushReport, translate::Problem};
+use crate::{
+    pipeline::FlushReport,
+    translate::{Problem, ProblemKind},
+};
 
 /// `Content-Type` of [`Metrics::encode`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -55,26 +58,13 @@ impl ErrorKind {
         }
     }
 
-    /// Classifies a pipeline problem. `Problem` carries no kind, so this reads the message
-    /// formats of `pipeline.rs` and `lbmap::MapError` (`map X is full (op)`); anything not
-    /// recognisably a map write or a conflict is a translation problem.
+    /// The label of a pipeline problem, from its kind.
     pub fn of_problem(p: &Problem) -> Self {
-        let m = p.message.as_str();
-        if m.contains(" is already used by service ") || m.contains(" is taken over by older service ") {
-            return Self::Conflict;
-        }
-        if m.contains(" is full (") {
-            return Self::MapFull;
-        }
-        // Map errors are "frontend <fe>: <error>" or "deleting [stale ]frontend <fe>: <error>";
-        // translation problems about a frontend read "frontend <fe> listed twice".
-        let rest = m
-            .strip_prefix("deleting stale frontend ")
-            .or_else(|| m.strip_prefix("deleting frontend "))
-            .or_else(|| m.strip_prefix("frontend "));
-        match rest.and_then(|r| r.split_whitespace().next()) {
-            Some(fe) if fe.ends_with(':') => Self::MapIo,
-            _ => Self::Translate,
+        match p.kind {
+            ProblemKind::Translate => Self::Translate,
+            ProblemKind::Conflict => Self::Conflict,
+            ProblemKind::MapFull => Self::MapFull,
+            ProblemKind::MapIo => Self::MapIo,
         }
     }
 }
@@ -358,35 +348,19 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::ProblemObject;
     use crate::lbmap::Writes;
 
-    fn problem(m: &str) -> Problem {
-        Problem {
-            object: ProblemObject::Service,
-            service: "d/a".into(),
-            message: m.into(),
-        }
+    fn problem(kind: ProblemKind, m: &str) -> Problem {
+        Problem::service("d/a", kind, m)
     }
 
     #[test]
-    fn problems_are_classified() {
-        let kinds: Vec<ErrorKind> = [
-            "frontend 10.96.0.1:80/TCP is already used by service d/b; not programmed",
-            "frontend 10.96.0.1:80/TCP: map backends is full (put 7)",
-            "frontend 10.96.0.1:80/TCP: map services: I/O error",
-            "deleting stale frontend 10.96.0.1:80/TCP: gone",
-            "frontend 10.96.0.1:80/TCP listed twice",
-            "clusterIP \"x\" is not an IP address",
-        ]
-        .iter()
-        .map(|m| ErrorKind::of_problem(&problem(m)))
-        .collect();
+    fn problems_are_labelled_by_kind_not_by_message() {
         use ErrorKind::*;
-        assert_eq!(
-            kinds,
-            [Conflict, MapFull, MapIo, MapIo, Translate, Translate]
-        );
+        use ProblemKind as P;
+        // The same text under every kind: only the kind decides.
+        let kinds: Vec<ErrorKind> = [P::Conflict, P::MapFull, P::MapIo, P::Translate].iter().map(|k| ErrorKind::of_problem(&problem(*k, "map backends is full"))).collect();
+        assert_eq!(kinds, [Conflict, MapFull, MapIo, Translate]);
     }
 
     #[test]
@@ -398,9 +372,7 @@ mod tests {
                 puts: 5,
                 deletes: 1,
             },
-            problems: vec![problem(
-                "frontend 10.96.0.1:80/TCP: map backends is full (put 7)",
-            )],
+            problems: vec![problem(ProblemKind::MapFull, "frontend 10.96.0.1:80/TCP: map backends is full (put 7)")],
             ..Default::default()
         };
         m.observe_flush(&report, Duration::from_millis(3));

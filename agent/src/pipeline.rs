@@ -9,10 +9,10 @@ use std::{
 };
 
 use crate::{
-    lbmap::{LbMaps, LbState, Writes},
+    lbmap::{LbMaps, LbState, MapError, Writes},
     model::{Backend, Frontend, Proto},
     source::SourceEvent,
-    translate::{self, NodeInfo, Problem, ProblemObject},
+    translate::{self, NodeInfo, Problem, ProblemKind},
     view::{ServiceView, SliceView},
 };
 
@@ -218,12 +218,12 @@ impl<M: LbMaps> Pipeline<M> {
             for fe in stale {
                 match self.lb.delete(&mut self.maps, &fe) {
                     Ok(w) => rep.writes += w,
-                    Err(e) => self.map_error(&mut rep, "-", format!("deleting stale frontend {fe}: {e}")),
+                    Err(e) => self.map_error(&mut rep, "-", &e, format!("deleting stale frontend {fe}")),
                 }
             }
         }
         for p in &rep.problems {
-            tracing::warn!(object = ?p.object, name = %p.service, "{}", p.message);
+            tracing::warn!(object = ?p.object, name = %p.service, kind = ?p.kind, "{}", p.message);
         }
         self.stats.writes += rep.writes;
         rep
@@ -250,14 +250,15 @@ impl<M: LbMaps> Pipeline<M> {
             };
             tracing::warn!(object = "EndpointSlice", name = %k, "{message}");
             self.stats.problems += 1;
-            out.push(Problem { object: ProblemObject::EndpointSlice, service: k, message });
+            out.push(Problem::slice(k, message));
         }
         out
     }
 
-    fn map_error(&mut self, rep: &mut FlushReport, svc: &str, message: String) {
+    fn map_error(&mut self, rep: &mut FlushReport, svc: &str, e: &MapError, doing: String) {
         self.stats.map_errors += 1;
-        rep.problems.push(Problem { object: ProblemObject::Service, service: svc.to_owned(), message });
+        let kind = if matches!(e, MapError::Full { .. }) { ProblemKind::MapFull } else { ProblemKind::MapIo };
+        rep.problems.push(Problem::service(svc, kind, format!("{doing}: {e}")));
     }
 
     fn apply_service(&mut self, key: &str, rep: &mut FlushReport) {
@@ -299,14 +300,14 @@ impl<M: LbMaps> Pipeline<M> {
                     // always yields.
                     let theirs = self.services.get(&o).map(|s| s.rank());
                     if theirs.is_some() && theirs <= my_rank {
-                        rep.problems.push(Problem { object: ProblemObject::Service, service: key.into(), message: format!("frontend {fe} is already used by service {o} (older); not programmed") });
+                        rep.problems.push(Problem::service(key, ProblemKind::Conflict, format!("frontend {fe} is already used by service {o} (older); not programmed")));
                         self.contenders.entry(*fe).or_default().insert(key.into());
                         continue;
                     }
                     // This Service is older: it takes the frontend over (the upsert below
                     // rewrites it in place) and the newer one waits as a contender.
                     if theirs.is_some() {
-                        rep.problems.push(Problem { object: ProblemObject::Service, service: o.clone(), message: format!("frontend {fe} is taken over by older service {key}; not programmed") });
+                        rep.problems.push(Problem::service(o.clone(), ProblemKind::Conflict, format!("frontend {fe} is taken over by older service {key}; not programmed")));
                     }
                     if let Some(set) = self.owned.get_mut(&o) {
                         set.remove(fe);
@@ -334,7 +335,7 @@ impl<M: LbMaps> Pipeline<M> {
                     if old.contains(fe) {
                         now_owned.insert(*fe);
                     }
-                    self.map_error(rep, key, format!("frontend {fe}: {e}"));
+                    self.map_error(rep, key, &e, format!("frontend {fe}"));
                 }
             }
         }
@@ -346,7 +347,7 @@ impl<M: LbMaps> Pipeline<M> {
                     rep.stale_udp.extend(before.into_iter().map(|b| (*fe, b)));
                 }
                 Err(e) => {
-                    self.map_error(rep, key, format!("deleting frontend {fe}: {e}"));
+                    self.map_error(rep, key, &e, format!("deleting frontend {fe}"));
                     continue;
                 }
             }
@@ -380,7 +381,7 @@ pub fn node_info(n: &k8s_openapi::api::core::v1::Node) -> NodeInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{lbmap::MemMaps, translate::tests::{slice, svc}};
+    use crate::{lbmap::MemMaps, translate::{tests::{slice, svc}, ProblemObject}};
 
     fn web(ip: &str, name: &str) -> ServiceView {
         svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"))
@@ -436,7 +437,7 @@ mod tests {
         p.handle(SourceEvent::SliceApplied(Arc::new(eps("b", "b-x", &["10.0.0.2"]))));
         p.handle(SourceEvent::Synced);
         let r = p.flush();
-        assert!(r.problems.iter().any(|pr| pr.service == "d/b" && pr.message.contains("already used by service d/a")));
+        assert!(r.problems.iter().any(|pr| pr.service == "d/b" && pr.kind == ProblemKind::Conflict && pr.message.contains("already used by service d/a")));
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080"]);
         p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.1", "a"))));
         p.flush();
@@ -600,7 +601,7 @@ mod tests {
         p.handle(SourceEvent::SliceApplied(Arc::new(eps("b", "b-x", &["10.0.0.3"]))));
         p.handle(SourceEvent::Synced);
         let r = p.flush();
-        assert!(r.problems.iter().any(|pr| pr.message.contains("full")), "{:?}", r.problems);
+        assert!(r.problems.iter().any(|pr| pr.kind == ProblemKind::MapFull && pr.message.contains("full")), "{:?}", r.problems);
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080", "10.0.0.2:8080"]);
         assert_eq!(p.stats.map_errors, 1);
     }

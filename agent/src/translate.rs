@@ -29,7 +29,43 @@ pub struct Problem {
     pub object: ProblemObject,
     /// `namespace/name` of that object.
     pub service: String,
+    /// What went wrong; the metric label and the Event derive from it, never from `message`.
+    pub kind: ProblemKind,
     pub message: String,
+}
+
+impl Problem {
+    /// A problem with Service `service` (`namespace/name`).
+    pub fn service(service: impl Into<String>, kind: ProblemKind, message: impl Into<String>) -> Problem {
+        Problem { object: ProblemObject::Service, service: service.into(), kind, message: message.into() }
+    }
+
+    /// An EndpointSlice (`namespace/name`) that cannot be used at all.
+    pub fn slice(slice: impl Into<String>, message: impl Into<String>) -> Problem {
+        Problem { object: ProblemObject::EndpointSlice, service: slice.into(), kind: ProblemKind::Translate, message: message.into() }
+    }
+}
+
+/// The kinds of [`Problem`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProblemKind {
+    /// The object cannot be translated as written (a bad address, port or protocol, a slice
+    /// without its Service).
+    Translate,
+    /// An older Service holds the frontend.
+    Conflict,
+    /// A map is full.
+    MapFull,
+    /// Any other failed map write.
+    MapIo,
+}
+
+impl ProblemKind {
+    /// The reason of the Event posted on the object.
+    pub fn event_reason(self) -> &'static str {
+        // One reason for all kinds (the note says which): what users filter Events by.
+        "ServiceNotProgrammed"
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,7 +102,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
         out.skipped = Some(why.clone());
         return out;
     }
-    let problem = |out: &mut Translated, m: String| out.problems.push(Problem { object: ProblemObject::Service, service: key.clone(), message: m });
+    let problem = |out: &mut Translated, m: String| out.problems.push(Problem::service(key.clone(), ProblemKind::Translate, m));
     for m in &svc.problems {
         problem(&mut out, m.clone());
     }
@@ -127,7 +163,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
             if seen.insert(fe) {
                 out.frontends.push((fe, fs.clone()));
             } else {
-                out.problems.push(Problem { object: ProblemObject::Service, service: key.clone(), message: format!("frontend {fe} listed twice") });
+                out.problems.push(Problem::service(key.clone(), ProblemKind::Translate, format!("frontend {fe} listed twice")));
             }
         };
         for vip in &svc.cluster_ips {
@@ -202,7 +238,7 @@ fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], node
             continue;
         };
         let Some(pn) = port.port.and_then(valid_port) else {
-            out.problems.push(Problem { object: ProblemObject::Service, service: key.into(), message: format!("EndpointSlice {} port {:?} has no valid number", slice.name, sp.name) });
+            out.problems.push(Problem::service(key, ProblemKind::Translate, format!("EndpointSlice {} port {:?} has no valid number", slice.name, sp.name)));
             continue;
         };
         cands.extend(slice.endpoints.iter().map(|ep| Candidate {
