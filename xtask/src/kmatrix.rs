@@ -308,6 +308,8 @@ pub fn run_matrix(kernels: &[&Kernel], suites: &[(String, PathBuf)], test_args: 
     }
     let table = table(&releases, suites, &results);
     println!("\n{table}");
+    let (passed, failed) = results.values().fold((0, 0), |(p, f), r| (p + r.passed, f + r.failed));
+    println!("matrix: {passed} passed, {failed} failed");
     let names: Vec<&str> = kernels.iter().map(|k| k.name).collect();
     fs::write(out_dir.join(format!("results-{}.md", names.join(","))), &table)?;
     if !ok {
