@@ -11,6 +11,8 @@ use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
 
+use crate::pinned_link::{put_u32, put_u64, sys_bpf};
+
 /// One probed facility: its name (metric label and `links` key), whether the kernel has it,
 /// and what gardenet does without it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -116,23 +118,6 @@ const HELPER_FIB_LOOKUP: i32 = 69;
 const HELPER_SET_RETVAL: i32 = 187;
 const BPF_FIB_LOOKUP_SRC: i32 = 1 << 4;
 
-fn sys_bpf(cmd: i64, attr: &mut [u8; 128]) -> io::Result<i64> {
-    // SAFETY: attr is a zero-padded bpf_attr; the kernel reads at most its size.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len() as u32) };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
-fn put32(a: &mut [u8; 128], off: usize, v: u32) {
-    a[off..off + 4].copy_from_slice(&v.to_ne_bytes());
-}
-fn put64(a: &mut [u8; 128], off: usize, v: u64) {
-    a[off..off + 8].copy_from_slice(&v.to_ne_bytes());
-}
-
 /// One BPF instruction (`struct bpf_insn`).
 fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
     let mut b = [0u8; 8];
@@ -152,11 +137,11 @@ const EXIT: u8 = 0x95;
 fn load(prog_type: u32, attach_type: u32, insns: &[u64]) -> io::Result<OwnedFd> {
     let license = c"GPL";
     let mut a = [0u8; 128];
-    put32(&mut a, 0, prog_type);
-    put32(&mut a, 4, insns.len() as u32);
-    put64(&mut a, 8, insns.as_ptr() as u64);
-    put64(&mut a, 16, license.as_ptr() as u64);
-    put32(&mut a, 68, attach_type); // expected_attach_type
+    put_u32(&mut a, 0, prog_type);
+    put_u32(&mut a, 4, insns.len() as u32);
+    put_u64(&mut a, 8, insns.as_ptr() as u64);
+    put_u64(&mut a, 16, license.as_ptr() as u64);
+    put_u32(&mut a, 68, attach_type); // expected_attach_type
     let fd = sys_bpf(BPF_PROG_LOAD, &mut a)?;
     // SAFETY: a new fd from the kernel.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
@@ -176,8 +161,8 @@ fn probe_helper(prog_type: u32, attach_type: u32, helper: i32) -> bool {
 /// tcx: a query for the tcx ingress hook of `lo` is an unknown attach type before 6.6.
 fn probe_tcx() -> bool {
     let mut a = [0u8; 128];
-    put32(&mut a, 0, 1); // ifindex of lo, in every network namespace
-    put32(&mut a, 4, ATTACH_TCX_INGRESS);
+    put_u32(&mut a, 0, 1); // ifindex of lo, in every network namespace
+    put_u32(&mut a, 4, ATTACH_TCX_INGRESS);
     sys_bpf(BPF_PROG_QUERY, &mut a).is_ok()
 }
 
@@ -186,9 +171,9 @@ fn probe_tcx() -> bool {
 fn probe_cgroup_link() -> bool {
     let Ok(prog) = load_trivial(BPF_PROG_TYPE_CGROUP_SOCK_ADDR, ATTACH_CGROUP_INET4_CONNECT) else { return false };
     let mut a = [0u8; 128];
-    put32(&mut a, 0, prog.as_raw_fd() as u32);
-    put32(&mut a, 4, u32::MAX); // target fd -1
-    put32(&mut a, 8, ATTACH_CGROUP_INET4_CONNECT);
+    put_u32(&mut a, 0, prog.as_raw_fd() as u32);
+    put_u32(&mut a, 4, u32::MAX); // target fd -1
+    put_u32(&mut a, 8, ATTACH_CGROUP_INET4_CONNECT);
     match sys_bpf(BPF_LINK_CREATE, &mut a) {
         Ok(fd) => {
             // SAFETY: an fd the kernel returned (cannot happen with fd -1); close it.
@@ -221,10 +206,10 @@ fn probe_fib_lookup_src() -> bool {
     pkt[12] = 0x08;
     pkt[14] = 0x45;
     let mut a = [0u8; 128];
-    put32(&mut a, 0, fd.as_raw_fd() as u32);
-    put32(&mut a, 8, pkt.len() as u32);
-    put64(&mut a, 16, pkt.as_ptr() as u64);
-    put32(&mut a, 32, 1); // repeat
+    put_u32(&mut a, 0, fd.as_raw_fd() as u32);
+    put_u32(&mut a, 8, pkt.len() as u32);
+    put_u64(&mut a, 16, pkt.as_ptr() as u64);
+    put_u32(&mut a, 32, 1); // repeat
     if sys_bpf(BPF_PROG_TEST_RUN, &mut a).is_err() {
         return false;
     }

@@ -45,9 +45,10 @@ pub enum Target {
     Ifindex(u32),
 }
 
-fn sys_bpf(cmd: i64, attr: &mut [u8; 64]) -> io::Result<i64> {
-    // SAFETY: attr is a zero-padded bpf_attr of 64 bytes; the kernel reads at most that much.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len() as u32) };
+/// `bpf(2)` with a zero-padded `union bpf_attr` of `N` bytes (the kernel reads at most that).
+pub(crate) fn sys_bpf<const N: usize>(cmd: i64, attr: &mut [u8; N]) -> io::Result<i64> {
+    // SAFETY: attr is N valid bytes; the kernel is told its size.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), N as u32) };
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -55,10 +56,10 @@ fn sys_bpf(cmd: i64, attr: &mut [u8; 64]) -> io::Result<i64> {
     }
 }
 
-fn put_u32(a: &mut [u8; 64], off: usize, v: u32) {
+pub(crate) fn put_u32<const N: usize>(a: &mut [u8; N], off: usize, v: u32) {
     a[off..off + 4].copy_from_slice(&v.to_ne_bytes());
 }
-fn put_u64(a: &mut [u8; 64], off: usize, v: u64) {
+pub(crate) fn put_u64<const N: usize>(a: &mut [u8; N], off: usize, v: u64) {
     a[off..off + 8].copy_from_slice(&v.to_ne_bytes());
 }
 
