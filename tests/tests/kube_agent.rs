@@ -60,10 +60,11 @@ fn spawn_agent(lab: &Lab, kubeconfig: &std::path::Path, bpffs: &std::path::Path,
     (agent, rx)
 }
 
-/// Log lines up to and including the first that contains `needle` (30 s at most).
+/// Log lines up to and including the first that contains `needle` (90 s at most: a bound for
+/// a hung agent, generous for the kernel matrix's emulated VMs on a busy machine).
 fn wait_for(rx: &mpsc::Receiver<String>, needle: &str) -> Vec<String> {
     let mut log = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(90);
     while !log.iter().any(|l: &String| l.contains(needle)) {
         log.push(rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| panic!("no {needle:?} in:\n{}", log.join("\n"))));
     }
