@@ -17,7 +17,7 @@ enum Cmd {
     /// Load the datapath, follow a source of Services and program them.
     // A flag given twice takes the last value (wrappers can append overrides).
     #[command(args_override_self = true)]
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Every network interface: selected or skipped (with the reason), and the hooks attached.
     Links {
         /// Print JSON instead of a table.
@@ -65,7 +65,7 @@ fn main() -> Result<()> {
             .worker_threads(2)
             .enable_all()
             .build()?
-            .block_on(run::run(args)),
+            .block_on(run::run(*args)),
         Cmd::Lb { cmd: LbCmd::List { json, bpffs } } => run::lb_list(&bpffs, json),
         Cmd::Links { json, bpffs, state_dir, config, interfaces } => tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -155,13 +155,9 @@ pub fn attach_pinned(
     pin: &Path,
 ) -> io::Result<(OwnedFd, Attached)> {
     if let Some(old) = obj_get(pin)? {
-        match link_info(old.as_fd()) {
-            Ok((_, Some(t))) if t == want => {
-                if link_update(old.as_fd(), prog).is_ok() {
-                    return Ok((old, Attached::Updated));
-                }
-            }
-            _ => {}
+        let same_target = matches!(link_info(old.as_fd()), Ok((_, Some(t))) if t == want);
+        if same_target && link_update(old.as_fd(), prog).is_ok() {
+            return Ok((old, Attached::Updated));
         }
         // Points elsewhere or is defunct: the new link goes in before the old one goes.
         let new = link_create(prog, target_fd_or_ifindex, ty, flags)?;

@@ -235,7 +235,6 @@ async fn scenario(ns: String, sysfs: Option<PathBuf>) {
         (
             true,
             format!("included by pattern {data}; down, attached anyway (programs run once it is up)")
-                .into()
         )
     );
     assert_eq!(

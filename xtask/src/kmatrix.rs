@@ -250,7 +250,7 @@ fn boot(kernel: &Fetched, script: &Path, console: &Path, timeout: Duration) -> R
         std::thread::sleep(Duration::from_millis(500));
     };
     let text = String::from_utf8_lossy(&fs::read(console)?).replace('\r', "");
-    let rc = text.lines().filter_map(|l| l.strip_prefix("KMX_RC=")).filter_map(|v| v.trim().parse().ok()).last();
+    let rc = text.lines().rev().filter_map(|l| l.strip_prefix("KMX_RC=")).find_map(|v| v.trim().parse().ok());
     if status.is_none() {
         eprintln!("xtask: kernel matrix: VM for {} timed out after {:?}", kernel.release, timeout);
     }

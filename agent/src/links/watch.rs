@@ -396,6 +396,69 @@ async fn apply(
     }
 }
 
+/// XDP attachment mode per interface index (`native`, `generic`, `offload`, `multiple`), from
+/// the kernel's IFLA_XDP attribute: what is attached, whoever attached it.
+pub async fn xdp_modes() -> Result<std::collections::HashMap<u32, &'static str>> {
+    use netlink_packet_route::link::{LinkXdp, XdpAttached};
+    let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink socket")?;
+    let conn = tokio::spawn(conn);
+    let res: Result<Vec<LinkMessage>, rtnetlink::Error> = handle.link().get().execute().try_collect().await;
+    conn.abort();
+    let mut out = std::collections::HashMap::new();
+    for m in res.context("dumping links (RTM_GETLINK)")? {
+        for a in &m.attributes {
+            if let LinkAttribute::Xdp(x) = a {
+                for e in x {
+                    let mode = match e {
+                        LinkXdp::Attached(XdpAttached::Driver) => "native",
+                        LinkXdp::Attached(XdpAttached::SocketBuffer) => "generic",
+                        LinkXdp::Attached(XdpAttached::Hardware) => "offload",
+                        LinkXdp::Attached(XdpAttached::Multiple) => "multiple",
+                        _ => continue,
+                    };
+                    out.insert(m.header.index, mode);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The cls_bpf filters on an interface's clsact qdisc (kernels without tcx): gardenet's own
+/// (`tc/ingress`, `tc/egress`, at `CLSACT_PRIORITY`/`CLSACT_HANDLE`) and other tools'
+/// (`tc/ingress(foreign:u32 pref 49152)`).
+pub async fn clsact_filters(ifindex: u32) -> Result<Vec<String>> {
+    use crate::dataplane::{CLSACT_HANDLE, CLSACT_PRIORITY};
+    use netlink_packet_route::tc::TcAttribute;
+    let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink socket")?;
+    let conn = tokio::spawn(conn);
+    let mut out = Vec::new();
+    for (hook, egress) in [("tc/ingress", false), ("tc/egress", true)] {
+        let req = handle.traffic_filter(ifindex as i32).get();
+        let req = if egress { req.egress() } else { req.ingress() };
+        let msgs: Vec<_> = req.execute().try_collect().await.unwrap_or_default();
+        for m in msgs {
+            let h = u32::from(m.header.handle.major) << 16 | u32::from(m.header.handle.minor);
+            if h == 0 {
+                continue; // the priority's head, not a filter
+            }
+            let prio = (m.header.info >> 16) as u16;
+            if prio == CLSACT_PRIORITY && h == CLSACT_HANDLE {
+                out.push(hook.to_string());
+            } else {
+                let kind = m.attributes.iter().find_map(|a| if let TcAttribute::Kind(k) = a { Some(k.clone()) } else { None }).unwrap_or_default();
+                // One entry per filter (u32 dumps its hash table and keys as several).
+                let f = format!("{hook}(foreign:{kind} pref {prio})");
+                if !out.contains(&f) {
+                    out.push(f);
+                }
+            }
+        }
+    }
+    conn.abort();
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -553,67 +616,4 @@ mod tests {
         assert_eq!(probe(&root, ".."), (false, None));
         let _ = fs::remove_dir_all(&root);
     }
-}
-
-/// XDP attachment mode per interface index (`native`, `generic`, `offload`, `multiple`), from
-/// the kernel's IFLA_XDP attribute: what is attached, whoever attached it.
-pub async fn xdp_modes() -> Result<std::collections::HashMap<u32, &'static str>> {
-    use netlink_packet_route::link::{LinkXdp, XdpAttached};
-    let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink socket")?;
-    let conn = tokio::spawn(conn);
-    let res: Result<Vec<LinkMessage>, rtnetlink::Error> = handle.link().get().execute().try_collect().await;
-    conn.abort();
-    let mut out = std::collections::HashMap::new();
-    for m in res.context("dumping links (RTM_GETLINK)")? {
-        for a in &m.attributes {
-            if let LinkAttribute::Xdp(x) = a {
-                for e in x {
-                    let mode = match e {
-                        LinkXdp::Attached(XdpAttached::Driver) => "native",
-                        LinkXdp::Attached(XdpAttached::SocketBuffer) => "generic",
-                        LinkXdp::Attached(XdpAttached::Hardware) => "offload",
-                        LinkXdp::Attached(XdpAttached::Multiple) => "multiple",
-                        _ => continue,
-                    };
-                    out.insert(m.header.index, mode);
-                }
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// The cls_bpf filters on an interface's clsact qdisc (kernels without tcx): gardenet's own
-/// (`tc/ingress`, `tc/egress`, at `CLSACT_PRIORITY`/`CLSACT_HANDLE`) and other tools'
-/// (`tc/ingress(foreign:u32 pref 49152)`).
-pub async fn clsact_filters(ifindex: u32) -> Result<Vec<String>> {
-    use crate::dataplane::{CLSACT_HANDLE, CLSACT_PRIORITY};
-    use netlink_packet_route::tc::TcAttribute;
-    let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink socket")?;
-    let conn = tokio::spawn(conn);
-    let mut out = Vec::new();
-    for (hook, egress) in [("tc/ingress", false), ("tc/egress", true)] {
-        let req = handle.traffic_filter(ifindex as i32).get();
-        let req = if egress { req.egress() } else { req.ingress() };
-        let msgs: Vec<_> = req.execute().try_collect().await.unwrap_or_default();
-        for m in msgs {
-            let h = u32::from(m.header.handle.major) << 16 | u32::from(m.header.handle.minor);
-            if h == 0 {
-                continue; // the priority's head, not a filter
-            }
-            let prio = (m.header.info >> 16) as u16;
-            if prio == CLSACT_PRIORITY && h == CLSACT_HANDLE {
-                out.push(hook.to_string());
-            } else {
-                let kind = m.attributes.iter().find_map(|a| if let TcAttribute::Kind(k) = a { Some(k.clone()) } else { None }).unwrap_or_default();
-                // One entry per filter (u32 dumps its hash table and keys as several).
-                let f = format!("{hook}(foreign:{kind} pref {prio})");
-                if !out.contains(&f) {
-                    out.push(f);
-                }
-            }
-        }
-    }
-    conn.abort();
-    Ok(out)
 }

@@ -215,7 +215,7 @@ mod tests {
         let node = |n: &str, ip: &str| format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {n}}}\nstatus: {{addresses: [{{type: InternalIP, address: {ip}}}]}}\n");
         std::fs::write(&f, format!("{}---\n{}", node("n1", "192.0.2.1"), node("n2", "192.0.2.2"))).unwrap();
         let mut st = DirState { node_name: "n2".into(), ..Default::default() };
-        let ev = st.reload(&[f.clone()]);
+        let ev = st.reload(std::slice::from_ref(&f));
         assert!(matches!(ev.as_slice(), [SourceEvent::NodeApplied(n)] if n.metadata.name.as_deref() == Some("n2")));
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -235,16 +235,16 @@ mod tests {
         let f = dir.join("a.yaml");
         std::fs::write(&f, format!("{SVC}---\n{SLICE}")).unwrap();
         let mut st = DirState::default();
-        let ev = st.reload(&[f.clone()]);
+        let ev = st.reload(std::slice::from_ref(&f));
         assert_eq!(ev.len(), 2);
-        assert!(st.reload(&[f.clone()]).is_empty());
+        assert!(st.reload(std::slice::from_ref(&f)).is_empty());
         std::fs::write(&f, format!("{SVC}---\n{}", SLICE.replace("10.0.0.1", "10.0.0.2"))).unwrap();
-        let ev = st.reload(&[f.clone()]);
+        let ev = st.reload(std::slice::from_ref(&f));
         assert!(matches!(ev.as_slice(), [SourceEvent::SliceApplied(_)]));
         std::fs::write(&f, "kind: Service\nmetadata: [broken").unwrap();
-        assert!(st.reload(&[f.clone()]).is_empty(), "a broken file keeps its objects");
+        assert!(st.reload(std::slice::from_ref(&f)).is_empty(), "a broken file keeps its objects");
         std::fs::write(&f, SVC).unwrap();
-        let ev = st.reload(&[f.clone()]);
+        let ev = st.reload(std::slice::from_ref(&f));
         assert!(matches!(ev.as_slice(), [SourceEvent::SliceDeleted(_)]));
         assert!(matches!(st.reload(&[]).as_slice(), [SourceEvent::ServiceDeleted(_)]));
         std::fs::remove_dir_all(&dir).unwrap();

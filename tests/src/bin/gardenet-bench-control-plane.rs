@@ -393,7 +393,7 @@ fn map_memory(pin_dir: &Path) -> Option<Vec<(String, u64, u64)>> {
         let name = p.file_name().unwrap().to_string_lossy().into_owned();
         out.push((name, v["max_entries"].as_u64().unwrap_or(0), v["bytes_memlock"].as_u64().unwrap_or(0)));
     }
-    out.sort_by(|a, b| b.2.cmp(&a.2));
+    out.sort_by_key(|x| std::cmp::Reverse(x.2));
     Some(out)
 }
 
