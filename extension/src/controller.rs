@@ -205,6 +205,8 @@ async fn reconcile_network(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action
     let shoot_failed = matches!(&shoot, Some(Ok(s)) if s.is_failed());
     let decision = operation::decide(&Facts::of(&network, shoot_failed));
     debug!(?decision);
+    // Before the request is removed below: a request present now counts as new.
+    let throttle = operation::retry_wait(&network, &now(), ctx.settings.retry);
     // Gardener's `OperationAnnotationWrapper`: a `reconcile` request is removed as soon as it
     // is picked up, before the work (and whatever its outcome); gardenlet then waits on
     // lastOperation and lastError. Restore and migrate requests are removed on success.
@@ -234,7 +236,7 @@ async fn reconcile_network(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action
         Decision::Migrate => LastOperationType::Migrate,
         Decision::Restore => LastOperationType::Restore,
     };
-    if let Some(wait) = operation::retry_wait(&network, &now(), ctx.settings.retry) {
+    if let Some(wait) = throttle {
         debug!(?wait, "last attempt failed recently; waiting");
         return Ok(Action::requeue(wait));
     }

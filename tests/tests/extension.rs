@@ -302,6 +302,17 @@ async fn unusable_provider_config_without_kube_proxy_is_a_configuration_problem(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = seed.requests().iter().filter(|r| r.path.ends_with("/status")).count();
     assert!(after - before <= 2, "{} status writes in 0.5 s", after - before);
+    // A new request from gardenlet is answered at once, also right after a failure (the
+    // throttle is 1 s here).
+    let writes = || seed.requests().iter().filter(|r| r.path.ends_with("/status")).count();
+    for _ in 0..2 {
+        let before = writes();
+        annotate(&seed, "reconcile").await;
+        eventually_within("a new request answered at once", Duration::from_millis(400), || {
+            std::future::ready((writes() >= before + 2).then_some(()))
+        })
+        .await;
+    }
 }
 
 #[tokio::test]
