@@ -353,6 +353,16 @@ mod tests {
         n["pods"] = json!("fd00::/48");
         let r = admission(shoot(n, true));
         assert!(r["status"]["message"].as_str().unwrap().contains("spec.networking.pods"), "{r}");
+        // IPv6 and dual stack are routed by gardenet, also without kube-proxy.
+        let mut n = net(pc(json!({})));
+        n["ipFamilies"] = json!(["IPv6"]);
+        n["pods"] = json!("fd00:10::/56");
+        n["services"] = json!("fd00:20::/112");
+        n["nodes"] = json!("fd00:30::/64");
+        assert_eq!(admission(shoot(n, false))["allowed"], true);
+        let mut n = net(pc(json!({})));
+        n["ipFamilies"] = json!(["IPv4", "IPv6"]);
+        assert_eq!(admission(shoot(n, false))["allowed"], true);
     }
 
     #[test]

@@ -141,9 +141,9 @@ pub struct ApiServerEndpoint {
     pub port: u16,
 }
 
-/// The advertised addresses gardenet prefers, best first: the in-cluster route Gardener
-/// sets up for shoot components, then the public one.
-const ADDRESS_PREFERENCE: &[&str] = &["internal", "external", "unmanaged"];
+/// The advertised address the agents use, as the Cilium extension picks it
+/// (`getK8sServiceHost`): the public name, which resolves and routes from the nodes.
+const ADDRESS_EXTERNAL: &str = "external";
 
 impl Shoot {
     /// Gardener's default: kube-proxy runs unless disabled explicitly.
@@ -156,34 +156,34 @@ impl Shoot {
             .unwrap_or(true)
     }
 
-    /// Gardener's `IsFailed`: the shoot's last operation failed for its current generation.
-    /// Such shoots are left alone until a human (or a retry) moves them on.
+    /// Gardener's `IsShootFailed` (`extensions/pkg/controller/shoot.go`): the shoot's last
+    /// operation failed. Extension controllers leave such shoots alone entirely.
     pub fn is_failed(&self) -> bool {
-        self.status
-            .last_operation
-            .as_ref()
-            .is_some_and(|op| op.state == LastOperationState::Failed)
-            && self.metadata.generation == self.status.observed_generation
+        self.status.last_operation.as_ref().is_some_and(|op| op.state == LastOperationState::Failed)
     }
 
-    /// Hibernation requested: the shoot's nodes and API server go away, so there is nothing
-    /// to ask about node readiness.
+    /// Gardener's `IsHibernationEnabled`: hibernation is requested in the spec.
+    pub fn is_hibernation_enabled(&self) -> bool {
+        self.spec.hibernation.as_ref().and_then(|h| h.enabled).unwrap_or(false)
+    }
+
+    /// Gardener's `IsHibernated`: requested and complete.
     pub fn is_hibernated(&self) -> bool {
-        self.spec.hibernation.as_ref().and_then(|h| h.enabled).unwrap_or(false) || self.status.is_hibernated
+        self.is_hibernation_enabled() && self.status.is_hibernated
     }
 
-    /// The API server endpoint from the advertised addresses, by [`ADDRESS_PREFERENCE`].
-    /// While a new Shoot has none yet (the Cluster is written at the start of gardenlet's
-    /// flow), Gardener's DNS name for it, `api.<spec.dns.domain>`, port 443.
+    /// Hibernated, hibernating or waking up (`IsHibernated` or `IsHibernatingOrWakingUp`):
+    /// the nodes are gone or going, so there is nobody to ask about readiness.
+    pub fn nodes_away(&self) -> bool {
+        self.is_hibernation_enabled() || self.status.is_hibernated
+    }
+
+    /// The API server endpoint for agents that cannot use the `kubernetes` Service, as the
+    /// Cilium extension derives its `k8sServiceHost`: the host of the advertised address named
+    /// `external`. `None` until gardenlet has advertised it. The port is the URL's, else 443.
     pub fn api_server_endpoint(&self) -> Option<ApiServerEndpoint> {
-        let advertised = ADDRESS_PREFERENCE.iter().find_map(|want| {
-            let addr = self.status.advertised_addresses.iter().find(|a| a.name == *want)?;
-            parse_https_url(&addr.url)
-        });
-        advertised.or_else(|| {
-            let domain = self.spec.dns.as_ref()?.domain.as_deref().filter(|d| !d.is_empty())?;
-            Some(ApiServerEndpoint { host: format!("api.{domain}"), port: 443 })
-        })
+        let addr = self.status.advertised_addresses.iter().find(|a| a.name == ADDRESS_EXTERNAL)?;
+        parse_https_url(&addr.url)
     }
 }
 
@@ -217,29 +217,30 @@ mod tests {
     }
 
     #[test]
-    fn failed_only_for_the_current_generation() {
-        let failed = json!({"observedGeneration": 3, "lastOperation": {"state": "Failed", "type": "Reconcile"}});
-        let s = shoot(json!({"metadata": {"generation": 3}, "status": failed}));
+    fn failed_is_the_last_operation_state_alone() {
+        let s = shoot(json!({"metadata": {"generation": 3}, "status": {"observedGeneration": 3, "lastOperation": {"state": "Failed"}}}));
         assert!(s.is_failed());
+        // IsShootFailed does not look at generations: a newer spec does not un-fail a shoot.
         let s = shoot(json!({"metadata": {"generation": 4}, "status": {"observedGeneration": 3, "lastOperation": {"state": "Failed"}}}));
-        assert!(!s.is_failed());
+        assert!(s.is_failed());
         let s = shoot(json!({"status": {"lastOperation": {"state": "Succeeded"}}}));
         assert!(!s.is_failed());
+        assert!(!shoot(json!({})).is_failed());
     }
 
     #[test]
-    fn api_server_from_advertised_addresses() {
+    fn api_server_from_the_external_advertised_address() {
         let s = shoot(json!({"status": {"advertisedAddresses": [
-            {"name": "external", "url": "https://api.foo.example.com"},
             {"name": "internal", "url": "https://api.foo.internal.example.com:8443"},
+            {"name": "external", "url": "https://api.foo.example.com"},
             {"name": "service-account-issuer", "url": "https://issuer.example.com"},
         ]}}));
-        assert_eq!(s.api_server_endpoint(), Some(ApiServerEndpoint { host: "api.foo.internal.example.com".into(), port: 8443 }));
-        let s = shoot(json!({"status": {"advertisedAddresses": [{"name": "external", "url": "https://api.foo.example.com"}]}}));
-        assert_eq!(s.api_server_endpoint().unwrap().port, 443);
+        assert_eq!(s.api_server_endpoint(), Some(ApiServerEndpoint { host: "api.foo.example.com".into(), port: 443 }));
+        // Like Cilium: no other address and no guess from spec.dns.domain.
+        let s = shoot(json!({"spec": {"dns": {"domain": "foo.core.example.com"}},
+                             "status": {"advertisedAddresses": [{"name": "internal", "url": "https://api.foo.internal.example.com"}]}}));
+        assert_eq!(s.api_server_endpoint(), None);
         assert_eq!(shoot(json!({})).api_server_endpoint(), None);
-        let s = shoot(json!({"spec": {"dns": {"domain": "foo.core.example.com"}}}));
-        assert_eq!(s.api_server_endpoint(), Some(ApiServerEndpoint { host: "api.foo.core.example.com".into(), port: 443 }));
         assert_eq!(parse_https_url("http://x"), None);
         assert_eq!(parse_https_url("https://[2001:db8::1]:6443/"), Some(ApiServerEndpoint { host: "2001:db8::1".into(), port: 6443 }));
         assert_eq!(parse_https_url("https://[2001:db8::1]").unwrap().port, 443);
@@ -248,7 +249,12 @@ mod tests {
 
     #[test]
     fn hibernation() {
-        assert!(shoot(json!({"spec": {"hibernation": {"enabled": true}}})).is_hibernated());
-        assert!(!shoot(json!({"spec": {"hibernation": {"enabled": false}}})).is_hibernated());
+        let hibernating = shoot(json!({"spec": {"hibernation": {"enabled": true}}}));
+        assert!(hibernating.is_hibernation_enabled() && !hibernating.is_hibernated() && hibernating.nodes_away());
+        let hibernated = shoot(json!({"spec": {"hibernation": {"enabled": true}}, "status": {"isHibernated": true}}));
+        assert!(hibernated.is_hibernated() && hibernated.nodes_away());
+        let waking = shoot(json!({"spec": {"hibernation": {"enabled": false}}, "status": {"isHibernated": true}}));
+        assert!(!waking.is_hibernated() && waking.nodes_away());
+        assert!(!shoot(json!({"spec": {"hibernation": {"enabled": false}}})).nodes_away());
     }
 }

@@ -33,12 +33,6 @@ pub enum Problem {
     )]
     NoDataplane { why: &'static str },
     #[error(
-        "kube-proxy is disabled, so the gardenet agents cannot reach the API server through the `kubernetes` Service \
-         before they route it, and the Shoot has neither an https API server address (status.advertisedAddresses) \
-         nor a DNS domain (spec.dns.domain): set providerConfig.apiServer.host"
-    )]
-    NoApiServerAddress,
-    #[error(
         "{field}: {family} Service routing is not supported by gardenet (supported: {supported}); \
          remove {family} or keep kube-proxy enabled"
     )]
@@ -170,6 +164,23 @@ pub fn parse_cidr(text: &str) -> Result<Cidr, &'static str> {
     Ok(Cidr { addr, len })
 }
 
+/// Why a Network cannot be planned now.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// Only a change of the configuration helps (`ERR_CONFIGURATION_PROBLEM`).
+    #[error("{0}")]
+    Configuration(#[from] Problems),
+    /// Like the Cilium extension's "external address not found among advertised addresses":
+    /// not a configuration problem, gardenlet advertises the address during the shoot's
+    /// reconciliation, so the operation is retried.
+    #[error(
+        "kube-proxy is disabled, so the gardenet agents cannot reach the API server through the `kubernetes` Service \
+         before they route it, and the Shoot has no advertised address named `external` (status.advertisedAddresses) \
+         yet; set providerConfig.apiServer.host to use another address"
+    )]
+    NoApiServerAddress,
+}
+
 /// What a valid Network turns into.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {
@@ -183,7 +194,7 @@ pub struct Plan {
 }
 
 /// Validates a Network against its Shoot and derives the [`Plan`].
-pub fn plan(spec: &NetworkSpec, shoot: &Shoot) -> Result<Plan, Problems> {
+pub fn plan(spec: &NetworkSpec, shoot: &Shoot) -> Result<Plan, PlanError> {
     let kube_proxy_enabled = shoot.kube_proxy_enabled();
     let config = parse_config(spec.provider_config.as_ref(), "spec.providerConfig").map_err(|p| Problems(vec![p]))?;
     let routing = config.service_routing(kube_proxy_enabled);
@@ -194,15 +205,16 @@ pub fn plan(spec: &NetworkSpec, shoot: &Shoot) -> Result<Plan, Problems> {
         "spec.ipFamilies",
         routing.active(),
     ));
+    if !problems.is_empty() {
+        return Err(Problems(problems).into());
+    }
+    // The providerConfig override first, then the advertised address (Cilium's order).
     let api_server = match &config.api_server {
         Some(a) => Some(ApiServerEndpoint { host: a.host.clone(), port: a.port }),
         None => shoot.api_server_endpoint(),
     };
     if !kube_proxy_enabled && api_server.is_none() {
-        problems.push(Problem::NoApiServerAddress);
-    }
-    if !problems.is_empty() {
-        return Err(Problems(problems));
+        return Err(PlanError::NoApiServerAddress);
     }
     Ok(Plan {
         // With kube-proxy running, the agents keep using the `kubernetes` Service.
@@ -263,19 +275,26 @@ mod tests {
     }
 
     #[test]
-    fn missing_address_is_a_problem_only_without_kube_proxy() {
+    fn missing_address_is_a_retryable_error_only_without_kube_proxy() {
         let e = plan(&spec(None), &shoot(false, false)).unwrap_err();
-        assert_eq!(e.0, vec![Problem::NoApiServerAddress]);
+        assert_eq!(e, PlanError::NoApiServerAddress);
         assert!(e.to_string().contains("providerConfig.apiServer.host"), "{e}");
         assert!(plan(&spec(None), &shoot(true, false)).is_ok());
+    }
+
+    fn problems(e: PlanError) -> Vec<Problem> {
+        match e {
+            PlanError::Configuration(p) => p.0,
+            other => panic!("not a configuration problem: {other}"),
+        }
     }
 
     #[test]
     fn unusable_dataplane_is_named() {
         let s = spec(Some(pc(json!({"socketLB": {"enabled": false}, "interfaces": {"include": []}}))));
         let e = plan(&s, &shoot(false, true)).unwrap_err();
-        assert!(matches!(e.0[..], [Problem::NoDataplane { .. }]), "{e:?}");
         assert!(e.to_string().contains("socketLB.enabled is false"), "{e}");
+        assert!(matches!(problems(e)[..], [Problem::NoDataplane { .. }]));
         // With kube-proxy routing, gardenet stays passive: no problem.
         assert!(plan(&s, &shoot(true, true)).is_ok());
         // Socket LB alone is enough.
@@ -287,8 +306,8 @@ mod tests {
     fn refused_replacement() {
         let s = spec(Some(pc(json!({"kubeProxyReplacement": {"enabled": false}}))));
         let e = plan(&s, &shoot(false, true)).unwrap_err();
-        assert_eq!(e.0, vec![Problem::ReplacementRefused]);
         assert!(e.to_string().contains("kubeProxyReplacement.enabled is false"), "{e}");
+        assert_eq!(problems(e), vec![Problem::ReplacementRefused]);
     }
 
     #[test]
@@ -312,8 +331,15 @@ mod tests {
         assert!(matches!(p[..], [Problem::InvalidCidr { .. }]), "{p:?}");
         assert!(check_network(&[], &[("a", "")], "f", true).is_empty());
         let v6 = [IpFamily::IPv6];
-        let unsupported = !SUPPORTED_IP_FAMILIES.contains(&IpFamily::IPv6);
-        assert_eq!(check_network(&v6, &[("a", "fd00::/64")], "f", true).is_empty(), !unsupported);
+        assert!(check_network(&v6, &[("a", "fd00::/64")], "f", true).is_empty());
+        // Dual stack, either order: CIDRs of both families fit.
+        for dual in [[IpFamily::IPv4, IpFamily::IPv6], [IpFamily::IPv6, IpFamily::IPv4]] {
+            assert!(check_network(&dual, &[("a", "10.0.0.0/8"), ("b", "fd00::/64"), ("c", "fd01::/108")], "f", true).is_empty());
+        }
+        let odd = [IpFamily::IPv4, IpFamily::Other("IPv7".into())];
+        let p = check_network(&odd, &[], "f", true);
+        assert!(matches!(&p[..], [Problem::UnsupportedIpFamily { .. }]), "{p:?}");
+        assert!(check_network(&odd, &[], "f", false).is_empty());
         assert!(check_network(&v6, &[("a", "fd00::/64"), ("b", "fd01::/108")], "f", false).is_empty());
         assert!(parse_cidr("fd00::/64").unwrap().overlaps(&parse_cidr("fd00::1/128").unwrap()));
         assert!(!parse_cidr("fd00::/64").unwrap().overlaps(&parse_cidr("10.0.0.0/8").unwrap()));

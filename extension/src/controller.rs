@@ -23,10 +23,10 @@ use serde_json::{json, Value};
 use tracing::{debug, info, warn, Instrument};
 
 use crate::cluster::{Cluster, Shoot};
-use crate::contract::{self, Plan, Problems};
+use crate::contract::{self, Plan, PlanError, Problems};
 use crate::managed::{self, ManagedResource};
 use crate::metrics::Metrics;
-use crate::operation::{self, Decision, Facts, ANNOTATION_OPERATION, FINALIZER};
+use crate::operation::{self, Decision, Facts, SkipReason, ANNOTATION_OPERATION, FINALIZER, OP_RECONCILE};
 use crate::render::{self, RenderError};
 use crate::serve::Health;
 use crate::shoot::{self, ShootAccessError};
@@ -71,6 +71,8 @@ impl Default for Settings {
 pub enum Error {
     #[error("{0}")]
     Configuration(#[from] Problems),
+    #[error("{}", PlanError::NoApiServerAddress)]
+    NoApiServerAddress,
     #[error("Cluster {0} not found")]
     ClusterMissing(String),
     #[error("Cluster {cluster}: spec.shoot is not a Shoot: {source}")]
@@ -96,11 +98,20 @@ impl Error {
     fn kind(&self) -> &'static str {
         match self {
             Error::Configuration(_) | Error::BadShoot { .. } => "configuration",
-            Error::ClusterMissing(_) => "cluster",
+            Error::ClusterMissing(_) | Error::NoApiServerAddress => "cluster",
             Error::Render(_) => "render",
             Error::Api { .. } | Error::Timeout { .. } => "api",
             Error::ManagedResourceStuck { .. } => "timeout",
             Error::NoNamespace => "invalid",
+        }
+    }
+}
+
+impl From<PlanError> for Error {
+    fn from(e: PlanError) -> Self {
+        match e {
+            PlanError::Configuration(p) => Error::Configuration(p),
+            PlanError::NoApiServerAddress => Error::NoApiServerAddress,
         }
     }
 }
@@ -194,14 +205,29 @@ async fn reconcile_network(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action
     let shoot_failed = matches!(&shoot, Some(Ok(s)) if s.is_failed());
     let decision = operation::decide(&Facts::of(&network, shoot_failed));
     debug!(?decision);
+    // Before the request is removed below: a request present now counts as new.
+    let throttle = operation::retry_wait(&network, &now(), ctx.settings.retry);
+    // Gardener's `OperationAnnotationWrapper`: a `reconcile` request is removed as soon as it
+    // is picked up, before the work (and whatever its outcome); gardenlet then waits on
+    // lastOperation and lastError. Restore and migrate requests are removed on success.
+    let picked_up = !matches!(decision, Decision::Skip(SkipReason::NotOurs | SkipReason::WaitForState));
+    let network = if picked_up && network.annotations().get(ANNOTATION_OPERATION).map(String::as_str) == Some(OP_RECONCILE) {
+        match remove_operation_annotation(&ctx, &api, &network).await {
+            Ok(n) => n,
+            Err(e) if is_code(&e, 409) => return Ok(Action::requeue(CONFLICT_RETRY)),
+            Err(e) => return Err(e),
+        }
+    } else {
+        network
+    };
     let op_type = match decision {
         Decision::Skip(reason) => {
             debug!(?reason, "skipping");
             return Ok(Action::await_change());
         }
         Decision::Observe => {
-            if let (Some(cluster), Some(Ok(shoot))) = (&cluster, &shoot) {
-                observe(&ctx, &api, &network, cluster, shoot).await;
+            if let Some(Ok(shoot)) = &shoot {
+                observe(&ctx, &api, &network, shoot).await;
             }
             return Ok(Action::requeue(ctx.settings.observe_every));
         }
@@ -210,20 +236,20 @@ async fn reconcile_network(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action
         Decision::Migrate => LastOperationType::Migrate,
         Decision::Restore => LastOperationType::Restore,
     };
-    if let Some(wait) = operation::retry_wait(&network, &now(), ctx.settings.retry) {
+    if let Some(wait) = throttle {
         debug!(?wait, "last attempt failed recently; waiting");
         return Ok(Action::requeue(wait));
     }
     let op_name = op_type.as_str().to_lowercase();
     ctx.metrics.reconciled(&op_name);
-    info!("{} the network", status::verb(&op_type).0);
+    info!("{} the Network", status::verb(&op_type).0);
     let result = match op_type {
         LastOperationType::Delete => delete(&ctx, &api, &network).await,
         LastOperationType::Migrate => migrate(&ctx, &api, &network).await,
         _ => {
             let cluster = cluster.ok_or_else(|| Error::ClusterMissing(namespace.clone()));
             match (cluster, shoot) {
-                (Ok(cluster), Some(Ok(shoot))) => deploy(&ctx, &api, &network, &cluster, &shoot, &op_type).await,
+                (Ok(_), Some(Ok(shoot))) => deploy(&ctx, &api, &network, &shoot, &op_type).await,
                 (Err(e), _) | (_, Some(Err(e))) => Err(e),
                 (Ok(_), None) => Err(Error::ClusterMissing(namespace.clone())),
             }
@@ -239,9 +265,8 @@ async fn reconcile_network(cached: Arc<Network>, ctx: Arc<Ctx>) -> Result<Action
         }
         Err(e) => {
             ctx.metrics.failed(&op_name, e.kind());
-            let at = status::operation_time(now(), &network);
             let generation = network.metadata.generation.unwrap_or_default();
-            let patch = status::error(&op_type, generation, &e.to_string(), e.is_configuration_problem(), &at);
+            let patch = status::error(&op_type, generation, &e.to_string(), e.is_configuration_problem(), &now());
             if let Err(write) = patch_status(&ctx, &api, &network, &patch).await {
                 warn!("writing the error status: {write}");
             }
@@ -280,16 +305,14 @@ async fn remove_finalizer(ctx: &Ctx, api: &Api<Network>, network: &Network) -> R
     }
 }
 
-/// Removes gardenlet's request once it is answered. A conflict means the object changed
-/// meanwhile (maybe a new request): leave the annotation, the next run answers it.
-async fn remove_operation_annotation(ctx: &Ctx, api: &Api<Network>, network: &Network) {
+/// Removes gardenlet's request (`extensionscontroller.RemoveAnnotation`), with the
+/// resourceVersion it was read at: a conflict means a newer request may have arrived.
+async fn remove_operation_annotation(ctx: &Ctx, api: &Api<Network>, network: &Network) -> Result<Network, Error> {
     if network.annotations().get(ANNOTATION_OPERATION).is_none() {
-        return;
+        return Ok(network.clone());
     }
     let patch = json!({"annotations": {ANNOTATION_OPERATION: null}});
-    if let Err(e) = patch_meta(ctx, api, network, patch, "removing the operation annotation").await {
-        debug!("{e}");
-    }
+    patch_meta(ctx, api, network, patch, "removing the operation annotation").await
 }
 
 /// Create, Reconcile and Restore: render, write Secret and ManagedResource, report.
@@ -297,13 +320,12 @@ async fn deploy(
     ctx: &Ctx,
     api: &Api<Network>,
     network: &Network,
-    cluster: &Cluster,
     shoot: &Shoot,
     op_type: &LastOperationType,
 ) -> Result<Action, Error> {
     let namespace = network.namespace().ok_or(Error::NoNamespace)?;
     let network = add_finalizer(ctx, api, network.clone()).await?;
-    let network = patch_status(ctx, api, &network, &status::processing(op_type, &status::operation_time(now(), &network))).await?;
+    let network = patch_status(ctx, api, &network, &status::processing(op_type, &now())).await?;
     let plan = contract::plan(&network.spec, shoot)?;
     let data = render::render(&plan, &render::Settings { image: ctx.settings.image.clone() })?;
     let secret = managed::secret(&namespace, managed::NAME, &data);
@@ -317,32 +339,36 @@ async fn deploy(
     let mr = managed::managed_resource(&namespace, managed::NAME, &secret_name, false);
     let mrs: Api<ManagedResource> = Api::namespaced(ctx.seed.clone(), &namespace);
     ctx.call("applying the ManagedResource", mrs.patch(managed::NAME, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&mr))).await?;
-    ctx.call("requesting shoot access", shoot::ensure_access_secret(&ctx.seed, &namespace)).await?;
-    let at = status::operation_time(now(), &network);
     let generation = network.metadata.generation.unwrap_or_default();
-    let patch = status::succeeded(op_type, generation, Some((&plan, status::provider_status(&plan, &secret_name))), &at);
+    let patch = status::succeeded(op_type, generation, Some((&plan, status::provider_status(&plan, &secret_name))), &now());
     let network = patch_status(ctx, api, &network, &patch).await?;
-    info!(secret = %secret_name, "Successfully {} the network", status::verb(op_type).1);
-    remove_operation_annotation(ctx, api, &network).await;
-    observe_plan(ctx, api, &network, cluster, shoot, &plan).await;
+    info!(secret = %secret_name, "Successfully {} Network", status::verb(op_type).2);
+    // A restore request is answered now (a reconcile request was removed when picked up; one
+    // present now is newer). A conflict leaves it for the next run.
+    if *op_type == LastOperationType::Restore {
+        if let Err(e) = remove_operation_annotation(ctx, api, &network).await {
+            debug!("{e}");
+        }
+    }
+    observe_plan(ctx, api, &network, shoot, &plan).await;
     Ok(Action::requeue(ctx.settings.observe_every))
 }
 
 /// Refreshes `ServiceRoutingReady` of a settled Network. Best effort: readiness is reported,
 /// it does not fail the operation (Gardener waits for the agents through the
 /// ManagedResource's health and the node taint).
-async fn observe(ctx: &Ctx, api: &Api<Network>, network: &Network, cluster: &Cluster, shoot: &Shoot) {
+async fn observe(ctx: &Ctx, api: &Api<Network>, network: &Network, shoot: &Shoot) {
     if let Ok(plan) = contract::plan(&network.spec, shoot) {
-        observe_plan(ctx, api, network, cluster, shoot, &plan).await;
+        observe_plan(ctx, api, network, shoot, &plan).await;
     }
 }
 
-async fn observe_plan(ctx: &Ctx, api: &Api<Network>, network: &Network, cluster: &Cluster, shoot: &Shoot, plan: &Plan) {
-    if shoot.is_hibernated() {
+async fn observe_plan(ctx: &Ctx, api: &Api<Network>, network: &Network, shoot: &Shoot, plan: &Plan) {
+    if shoot.nodes_away() {
         return;
     }
     let Some(namespace) = network.namespace() else { return };
-    let client = match tokio::time::timeout(ctx.settings.request_timeout, shoot::client(&ctx.seed, &namespace, cluster)).await {
+    let client = match tokio::time::timeout(ctx.settings.request_timeout, shoot::client(&ctx.seed, &namespace)).await {
         Ok(Ok(c)) => c,
         Ok(Err(ShootAccessError::NotYet(what))) => {
             debug!("no shoot access yet: {what}");
@@ -388,8 +414,7 @@ async fn delete_managed_resource(ctx: &Ctx, namespace: &str) -> Result<(), Error
     let secrets: Api<Secret> = Api::namespaced(ctx.seed.clone(), namespace);
     let selector = format!("{}={}", managed::LABEL_MANAGED_RESOURCE, managed::NAME);
     let list = ctx.call("listing the ManagedResource secrets", secrets.list(&ListParams::default().labels(&selector))).await?;
-    let names = list.items.iter().map(|s| s.name_any()).chain([shoot::ACCESS_SECRET.to_owned()]);
-    for name in names {
+    for name in list.items.iter().map(|s| s.name_any()) {
         match ctx.call(format!("deleting secret {name}"), secrets.delete(&name, &DeleteParams::default())).await {
             Err(e) if is_code(&e, 404) => {}
             other => drop(other?),
@@ -401,12 +426,12 @@ async fn delete_managed_resource(ctx: &Ctx, namespace: &str) -> Result<(), Error
 async fn delete(ctx: &Ctx, api: &Api<Network>, network: &Network) -> Result<Action, Error> {
     let namespace = network.namespace().ok_or(Error::NoNamespace)?;
     let t = LastOperationType::Delete;
-    let network = patch_status(ctx, api, network, &status::processing(&t, &status::operation_time(now(), network))).await?;
+    let network = patch_status(ctx, api, network, &status::processing(&t, &now())).await?;
     delete_managed_resource(ctx, &namespace).await?;
     let generation = network.metadata.generation.unwrap_or_default();
-    let network = patch_status(ctx, api, &network, &status::succeeded(&t, generation, None, &status::operation_time(now(), &network))).await?;
+    let network = patch_status(ctx, api, &network, &status::succeeded(&t, generation, None, &now())).await?;
     remove_finalizer(ctx, api, &network).await?;
-    info!("Successfully deleted the network");
+    info!("Successfully deleted Network");
     Ok(Action::await_change())
 }
 
@@ -415,7 +440,7 @@ async fn delete(ctx: &Ctx, api: &Api<Network>, network: &Network) -> Result<Acti
 async fn migrate(ctx: &Ctx, api: &Api<Network>, network: &Network) -> Result<Action, Error> {
     let namespace = network.namespace().ok_or(Error::NoNamespace)?;
     let t = LastOperationType::Migrate;
-    let network = patch_status(ctx, api, network, &status::processing(&t, &status::operation_time(now(), network))).await?;
+    let network = patch_status(ctx, api, network, &status::processing(&t, &now())).await?;
     let mrs: Api<ManagedResource> = Api::namespaced(ctx.seed.clone(), &namespace);
     let keep = json!({"spec": {"keepObjects": true}});
     match ctx.call("setting keepObjects", mrs.patch(managed::NAME, &PatchParams::default(), &Patch::Merge(&keep))).await {
@@ -424,9 +449,10 @@ async fn migrate(ctx: &Ctx, api: &Api<Network>, network: &Network) -> Result<Act
     }
     delete_managed_resource(ctx, &namespace).await?;
     let generation = network.metadata.generation.unwrap_or_default();
-    let network = patch_status(ctx, api, &network, &status::succeeded(&t, generation, None, &status::operation_time(now(), &network))).await?;
-    let finalizers: Vec<&String> = network.finalizers().iter().filter(|f| *f != FINALIZER).collect();
-    let mut meta = json!({"finalizers": finalizers});
+    let network = patch_status(ctx, api, &network, &status::succeeded(&t, generation, None, &now())).await?;
+    // `RemoveAllFinalizers`, as the network reconciler's migrate does: the source seed lets
+    // the object go entirely.
+    let mut meta = json!({"finalizers": null});
     if network.annotations().contains_key(ANNOTATION_OPERATION) {
         meta["annotations"] = json!({ANNOTATION_OPERATION: null});
     }
@@ -434,7 +460,7 @@ async fn migrate(ctx: &Ctx, api: &Api<Network>, network: &Network) -> Result<Act
         Err(e) if is_code(&e, 404) => {}
         other => drop(other?),
     }
-    info!("Successfully migrated the network");
+    info!("Successfully migrated Network");
     Ok(Action::await_change())
 }
 

@@ -1,9 +1,12 @@
 //! gardener-resource-manager's `ManagedResource` (`resources.gardener.cloud/v1alpha1`) and
-//! its Secret, built the way Gardener's `managedresources.CreateForShoot` builds them: the
-//! manifests go into an immutable Secret whose name ends in a hash of its content, and the
-//! ManagedResource (no class: applied to the shoot) references that Secret. A changed
-//! content therefore produces a new Secret; the old one is garbage-collected by the resource
-//! manager once nothing references it.
+//! its Secret, built the way Gardener's `managedresources.CreateForShoot` builds them
+//! (`pkg/utils/managedresources`, `kubernetes.MakeUnique`, the builder's `Reconcile`): the
+//! manifests go into an immutable Secret `managedresource-<name>-<checksum[:8]>`, labelled
+//! garbage-collectable, and the ManagedResource (no class: applied to the shoot) references
+//! it in `secretRefs` and in a `reference.resources.gardener.cloud/secret-...` annotation.
+//! A changed content produces a new Secret; the resource manager's garbage collector deletes
+//! a collectable Secret once no object's reference annotation names it any more, so the
+//! annotation is what keeps the current Secret alive.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +26,9 @@ pub const ORIGIN: &str = "gardenet";
 pub const LABEL_GARBAGE_COLLECTABLE: &str = "resources.gardener.cloud/garbage-collectable-reference";
 /// Injected into every shoot object, so Gardener's shoot cleanup leaves them to the MR.
 pub const LABEL_NO_CLEANUP: &str = "shoot.gardener.cloud/no-cleanup";
+/// Prefix of the reference annotations the garbage collector reads
+/// (`references.AnnotationKeyPrefix`).
+pub const ANNOTATION_REFERENCE_PREFIX: &str = "reference.resources.gardener.cloud/";
 /// Label gardenet puts on its Secrets, to find them again on delete.
 pub const LABEL_MANAGED_RESOURCE: &str = "gardenet.networking.extensions.gardener.cloud/managed-resource";
 
@@ -62,22 +68,32 @@ pub struct ManagedResourceStatus {
     pub observed_generation: i64,
 }
 
-/// The first 8 hex digits of the SHA-256 of the data (keys and values, in key order).
+fn sha256_hex(bytes: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, bytes).as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Gardener's `utils.ComputeSecretChecksum`: the SHA-256 (hex) of the concatenated hex
+/// SHA-256s of the values, in key order. Following it exactly gives the Secret the name
+/// `CreateForShoot` would give it.
+pub fn checksum(data: &BTreeMap<String, String>) -> String {
+    let digests: String = data.values().map(|v| sha256_hex(v.as_bytes())).collect();
+    sha256_hex(digests.as_bytes())
+}
+
+/// The first 8 hex digits of [`checksum`] (`MakeUnique`'s suffix).
 pub fn content_hash(data: &BTreeMap<String, String>) -> String {
-    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
-    for (k, v) in data {
-        // Length-prefixed, so ("ab","c") and ("a","bc") differ.
-        for part in [k, v] {
-            ctx.update(&(part.len() as u64).to_be_bytes());
-            ctx.update(part.as_bytes());
-        }
-    }
-    ctx.finish().as_ref()[..4].iter().map(|b| format!("{b:02x}")).collect()
+    checksum(data)[..8].to_owned()
 }
 
 /// `managedresource-<name>-<hash>`.
 pub fn secret_name(mr_name: &str, data: &BTreeMap<String, String>) -> String {
     format!("managedresource-{mr_name}-{}", content_hash(data))
+}
+
+/// `references.AnnotationKey("secret", name)`: the prefix, the kind and the first 8 hex
+/// digits of the SHA-256 of the name.
+pub fn reference_annotation_key(secret_name: &str) -> String {
+    format!("{ANNOTATION_REFERENCE_PREFIX}secret-{}", &sha256_hex(secret_name.as_bytes())[..8])
 }
 
 /// The immutable Secret holding the manifests (`data` maps file names to YAML).
@@ -99,8 +115,10 @@ pub fn secret(namespace: &str, mr_name: &str, data: &BTreeMap<String, String>) -
     }
 }
 
-/// The ManagedResource referencing `secret_name`; no class, so the shoot's resource manager
-/// applies it into the shoot.
+/// The ManagedResource referencing `secret_name`, as `NewForShoot` builds it: no class (the
+/// shoot's resource manager applies it into the shoot), `origin` label, `keepObjects` set,
+/// `shoot.gardener.cloud/no-cleanup` injected, and the reference annotation
+/// (`references.InjectAnnotations`) that keeps the Secret from being garbage-collected.
 pub fn managed_resource(namespace: &str, mr_name: &str, secret_name: &str, keep_objects: bool) -> ManagedResource {
     let mut mr = ManagedResource::new(
         mr_name,
@@ -113,6 +131,7 @@ pub fn managed_resource(namespace: &str, mr_name: &str, secret_name: &str, keep_
     );
     mr.metadata.namespace = Some(namespace.to_owned());
     mr.metadata.labels = Some(BTreeMap::from([(LABEL_ORIGIN.to_owned(), ORIGIN.to_owned())]));
+    mr.metadata.annotations = Some(BTreeMap::from([(reference_annotation_key(secret_name), secret_name.to_owned())]));
     mr
 }
 
@@ -125,13 +144,22 @@ mod tests {
     }
 
     #[test]
-    fn hash_follows_content() {
-        assert_eq!(content_hash(&data("x")), content_hash(&data("x")));
+    fn hash_is_gardeners_secret_checksum() {
+        // Expected values: `printf x | sha256sum`, its hex digest hashed again (and for two
+        // keys the two hex digests concatenated in key order), as ComputeSecretChecksum does.
+        assert_eq!(content_hash(&data("x")), "a57b5956");
+        let two = BTreeMap::from([("b.yaml".to_owned(), "y".to_owned()), ("a.yaml".to_owned(), "x".to_owned())]);
+        assert_eq!(content_hash(&two), "80d88848");
         assert_ne!(content_hash(&data("x")), content_hash(&data("y")));
-        assert_eq!(content_hash(&data("x")).len(), 8);
-        let split = BTreeMap::from([("ab".to_owned(), "c".to_owned())]);
-        let other = BTreeMap::from([("a".to_owned(), "bc".to_owned())]);
-        assert_ne!(content_hash(&split), content_hash(&other));
+        assert_eq!(checksum(&data("x")).len(), 64);
+        assert_eq!(secret_name(NAME, &data("x")), "managedresource-extension-networking-gardenet-a57b5956");
+    }
+
+    #[test]
+    fn reference_annotation_is_the_garbage_collectors() {
+        // `printf managedresource-extension-networking-gardenet-abcd1234 | sha256sum | cut -c1-8`
+        let key = reference_annotation_key("managedresource-extension-networking-gardenet-abcd1234");
+        assert_eq!(key, "reference.resources.gardener.cloud/secret-37b08cea");
     }
 
     #[test]
@@ -154,5 +182,7 @@ mod tests {
         assert_eq!(v["spec"]["keepObjects"], false);
         assert_eq!(v["spec"]["injectLabels"][LABEL_NO_CLEANUP], "true");
         assert_eq!(v["metadata"]["labels"]["origin"], "gardenet");
+        assert_eq!(v["metadata"]["annotations"][reference_annotation_key("s1")], "s1");
+        assert_eq!(v["metadata"]["annotations"].as_object().unwrap().len(), 1);
     }
 }

@@ -1,6 +1,8 @@
 //! Which operation Gardener asks for, derived from a Network the way Gardener's extension
-//! library does (`ComputeOperationType` and the network reconciler's dispatch): the
-//! `gardener.cloud/operation` annotation, the deletion timestamp and the last operation.
+//! library does: `OperationAnnotationWrapper` (wait-for-state), the network reconciler's
+//! `Reconcile` (`IsFailed` first, then `ComputeOperationType`, `ShouldSkipOperation` and the
+//! dispatch migrate, delete, restore, reconcile), from the `gardener.cloud/operation`
+//! annotation, the deletion timestamp and the last operation.
 
 use gardenet_agent::gardener::network::{LastOperationState, LastOperationType, Network};
 use gardenet_agent::gardener::NETWORK_TYPE;
@@ -9,8 +11,8 @@ use std::time::Duration;
 
 /// gardenlet's request to an extension: `reconcile`, `migrate`, `restore`, `wait-for-state`.
 pub const ANNOTATION_OPERATION: &str = "gardener.cloud/operation";
-/// When gardenlet set the operation annotation; `lastOperation.lastUpdateTime` must not be
-/// older, or gardenlet keeps waiting.
+/// Set by gardenlet with every request. gardenlet only uses it to know its cache holds the
+/// version it wrote (`WaitUntilObjectReadyWithHealthFunction`); extensions do not read it.
 pub const ANNOTATION_TIMESTAMP: &str = "gardener.cloud/timestamp";
 /// The finalizer of network extension controllers.
 pub const FINALIZER: &str = "extensions.gardener.cloud/network";
@@ -39,7 +41,7 @@ pub enum SkipReason {
     NotOurs,
     /// gardenlet is moving the shoot's state to this seed; nothing may act yet.
     WaitForState,
-    /// The Shoot's last operation failed: leave it alone.
+    /// The Shoot's last operation failed: leave it alone, whatever is asked (`IsFailed`).
     ShootFailed,
     /// Migrated away from this seed and not restored: another seed owns the shoot.
     Migrated,
@@ -86,6 +88,29 @@ pub fn is_ours(type_: &str, class: Option<&str>) -> bool {
     type_ == NETWORK_TYPE && matches!(class, None | Some("") | Some("shoot"))
 }
 
+/// Gardener's `ComputeOperationType`: the annotation (migrate), the deletion timestamp, the
+/// annotation (restore), then an unfinished Create, Migrate or Restore is carried on.
+pub fn operation_type(f: &Facts<'_>) -> LastOperationType {
+    use LastOperationState::Succeeded;
+    use LastOperationType as T;
+    let unfinished = |t: T| matches!(&f.last_operation, Some((ty, st)) if *ty == t && *st != Succeeded);
+    if f.operation == Some(OP_MIGRATE) {
+        T::Migrate
+    } else if f.deleting {
+        T::Delete
+    } else if f.operation == Some(OP_RESTORE) {
+        T::Restore
+    } else if f.last_operation.is_none() || unfinished(T::Create) {
+        T::Create
+    } else if unfinished(T::Migrate) {
+        T::Migrate
+    } else if unfinished(T::Restore) {
+        T::Restore
+    } else {
+        T::Reconcile
+    }
+}
+
 pub fn decide(f: &Facts<'_>) -> Decision {
     use LastOperationState::Succeeded;
     use LastOperationType as T;
@@ -95,60 +120,52 @@ pub fn decide(f: &Facts<'_>) -> Decision {
     if f.operation == Some(OP_WAIT_FOR_STATE) {
         return Decision::Skip(SkipReason::WaitForState);
     }
-    let unfinished = |t: T| matches!(&f.last_operation, Some((ty, st)) if *ty == t && *st != Succeeded);
-    if f.operation == Some(OP_MIGRATE) || unfinished(T::Migrate) {
-        return Decision::Migrate;
-    }
-    let migrated = matches!(&f.last_operation, Some((T::Migrate, Succeeded)));
-    if f.operation == Some(OP_RESTORE) || unfinished(T::Restore) {
-        return Decision::Restore;
-    }
-    if f.deleting {
-        return if !f.has_finalizer {
-            Decision::Skip(SkipReason::Deleted)
-        } else if migrated {
-            // The finalizer of a migrated Network is gone already; this is a leftover.
-            Decision::Skip(SkipReason::Migrated)
-        } else {
-            Decision::Delete
-        };
-    }
-    if migrated {
-        return Decision::Skip(SkipReason::Migrated);
-    }
     if f.shoot_failed {
         return Decision::Skip(SkipReason::ShootFailed);
     }
-    let op_type = if f.last_operation.is_none() || unfinished(T::Create) { T::Create } else { T::Reconcile };
-    let asked = f.operation == Some(OP_RECONCILE);
-    let settled = matches!(&f.last_operation, Some((_, Succeeded))) && f.generation == f.observed_generation && f.has_finalizer;
-    if asked || !settled {
-        Decision::Reconcile(op_type)
-    } else {
-        Decision::Observe
+    let op_type = operation_type(f);
+    // `ShouldSkipOperation`: once migrated away, only a migrate or a restore is honoured.
+    let migrated = matches!(&f.last_operation, Some((T::Migrate, Succeeded)));
+    if migrated && !matches!(op_type, T::Migrate | T::Restore) {
+        return Decision::Skip(SkipReason::Migrated);
+    }
+    match op_type {
+        T::Migrate => Decision::Migrate,
+        _ if f.deleting => {
+            if f.has_finalizer {
+                Decision::Delete
+            } else {
+                Decision::Skip(SkipReason::Deleted)
+            }
+        }
+        T::Restore => Decision::Restore,
+        _ => {
+            let asked = f.operation == Some(OP_RECONCILE);
+            let settled = matches!(&f.last_operation, Some((_, Succeeded))) && f.generation == f.observed_generation && f.has_finalizer;
+            if asked || !settled {
+                Decision::Reconcile(op_type)
+            } else {
+                Decision::Observe
+            }
+        }
     }
 }
 
 /// How long to wait before acting again on a Network whose last attempt failed and that
-/// nobody has changed since (same generation, no newer request from gardenlet): the error
+/// nobody has changed since (same generation, no new request from gardenlet): the error
 /// write itself is a change to the object, and without this every failure would trigger the
-/// next attempt at once. `None`: act now.
+/// next attempt at once (Gardener's controllers back off the same way). `None`: act now.
 pub fn retry_wait(network: &Network, now: &Time, retry: Duration) -> Option<Duration> {
     let status = network.status.as_ref()?;
     let op = status.last_operation.as_ref()?;
     if op.state != LastOperationState::Error || status.observed_generation != network.metadata.generation.unwrap_or_default() {
         return None;
     }
-    let failed_at = op.last_update_time.as_ref()?.0;
-    let asked_at = network
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_TIMESTAMP))
-        .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok());
-    if asked_at.is_some_and(|asked| asked > failed_at) {
+    // The request annotation is removed when picked up, so one present now is a new request.
+    if network.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(ANNOTATION_OPERATION)) {
         return None;
     }
+    let failed_at = op.last_update_time.as_ref()?.0;
     let elapsed = Duration::try_from(now.0.duration_since(failed_at)).unwrap_or_default();
     retry.checked_sub(elapsed).filter(|d| !d.is_zero())
 }
@@ -203,9 +220,19 @@ mod tests {
         assert_eq!(decide(&Facts { operation: Some(OP_RESTORE), ..facts() }), Decision::Restore);
         assert_eq!(decide(&Facts { deleting: true, ..facts() }), Decision::Delete);
         assert_eq!(decide(&Facts { deleting: true, has_finalizer: false, ..facts() }), Decision::Skip(SkipReason::Deleted));
-        // A failed shoot still gets deleted, migrated and restored, but not reconciled.
-        assert_eq!(decide(&Facts { shoot_failed: true, operation: Some(OP_RECONCILE), ..facts() }), Decision::Skip(SkipReason::ShootFailed));
-        assert_eq!(decide(&Facts { shoot_failed: true, deleting: true, ..facts() }), Decision::Delete);
+        // ComputeOperationType: deletion wins over a restore request and an unfinished migration.
+        assert_eq!(decide(&Facts { operation: Some(OP_RESTORE), deleting: true, ..facts() }), Decision::Delete);
+        let unfinished_migration = Some((T::Migrate, S::Error));
+        assert_eq!(decide(&Facts { last_operation: unfinished_migration, deleting: true, ..facts() }), Decision::Delete);
+        // IsFailed: a failed shoot is left alone whatever is asked, deletion included.
+        for f in [
+            Facts { operation: Some(OP_RECONCILE), ..facts() },
+            Facts { deleting: true, ..facts() },
+            Facts { operation: Some(OP_MIGRATE), ..facts() },
+            Facts { operation: Some(OP_RESTORE), ..facts() },
+        ] {
+            assert_eq!(decide(&Facts { shoot_failed: true, ..f }), Decision::Skip(SkipReason::ShootFailed));
+        }
     }
 
     #[test]
@@ -228,8 +255,8 @@ mod tests {
         let retry = Duration::from_secs(30);
         assert_eq!(retry_wait(&n, &t("2025-01-01T10:00:10Z"), retry), Some(Duration::from_secs(20)));
         assert_eq!(retry_wait(&n, &t("2025-01-01T10:00:30Z"), retry), None);
-        // A newer request from gardenlet, or a new generation: at once.
-        n.metadata.annotations = Some([(ANNOTATION_TIMESTAMP.to_owned(), "2025-01-01T10:00:05Z".to_owned())].into());
+        // A new request from gardenlet, or a new generation: at once.
+        n.metadata.annotations = Some([(ANNOTATION_OPERATION.to_owned(), OP_RECONCILE.to_owned())].into());
         assert_eq!(retry_wait(&n, &t("2025-01-01T10:00:10Z"), retry), None);
         n.metadata.annotations = None;
         n.metadata.generation = Some(3);
@@ -243,5 +270,8 @@ mod tests {
         assert_eq!(decide(&Facts { operation: Some(OP_RESTORE), ..migrated.clone() }), Decision::Restore);
         assert_eq!(decide(&Facts { last_operation: Some((T::Migrate, S::Error)), ..facts() }), Decision::Migrate);
         assert_eq!(decide(&Facts { last_operation: Some((T::Restore, S::Processing)), ..facts() }), Decision::Restore);
+        // Migrated, then deleted (gardenlet cleans up the source seed): nothing to do here.
+        assert_eq!(decide(&Facts { deleting: true, ..migrated.clone() }), Decision::Skip(SkipReason::Migrated));
+        assert_eq!(decide(&Facts { deleting: true, has_finalizer: true, ..migrated }), Decision::Skip(SkipReason::Migrated));
     }
 }

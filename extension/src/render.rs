@@ -1,5 +1,5 @@
-//! The shoot manifests: the agent DaemonSet, its ServiceAccount and RBAC, its NetworkConfig,
-//! and read access to Nodes for the extension's own shoot identity.
+//! The shoot manifests: the agent DaemonSet, its ServiceAccount and RBAC, and its
+//! NetworkConfig.
 //!
 //! The DaemonSet and RBAC start from `deploy/daemonset.yaml` and `deploy/rbac.yaml` (compiled
 //! in), so the manifests operators apply by hand and those Gardener applies stay one design,
@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use gardenet_agent::gardener::config::NetworkConfig;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, EnvVar};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::DeserializeOwned;
@@ -27,8 +27,6 @@ const RBAC_YAML: &str = include_str!("../../deploy/rbac.yaml");
 pub const LABEL_CRITICAL_COMPONENT: &str = "node.gardener.cloud/critical-component";
 /// Pod annotation with the config's hash: a config change rolls the agents.
 pub const ANNOTATION_CONFIG_HASH: &str = "checksum/config";
-/// The ServiceAccount in the shoot's kube-system the extension's shoot token belongs to.
-pub const EXTENSION_SHOOT_ACCOUNT: &str = "gardenet-extension";
 /// The kube-proxy flag in `deploy/daemonset.yaml`, replaced per shoot.
 const KUBE_PROXY_FLAG: &str = "--kube-proxy-enabled=";
 
@@ -36,7 +34,6 @@ const KUBE_PROXY_FLAG: &str = "--kube-proxy-enabled=";
 pub const KEY_RBAC: &str = "rbac.yaml";
 pub const KEY_CONFIG: &str = "configmap.yaml";
 pub const KEY_DAEMONSET: &str = "daemonset.yaml";
-pub const KEY_EXTENSION_ACCESS: &str = "extension-access.yaml";
 
 /// A compiled-in manifest that does not parse: a build defect, found by the unit tests.
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +62,6 @@ pub fn render(plan: &Plan, settings: &Settings) -> Result<BTreeMap<String, Strin
     out.insert(KEY_RBAC.to_owned(), rbac()?);
     out.insert(KEY_CONFIG.to_owned(), to_yaml("ConfigMap", &config)?);
     out.insert(KEY_DAEMONSET.to_owned(), to_yaml("DaemonSet", &daemonset)?);
-    out.insert(KEY_EXTENSION_ACCESS.to_owned(), extension_access()?);
     Ok(out)
 }
 
@@ -170,34 +166,6 @@ fn rbac() -> Result<String, RenderError> {
     Ok(join(docs))
 }
 
-/// Read access to Nodes for the extension's shoot token (the `ServiceRoutingReady` condition
-/// is computed from the conditions the agents set on their Nodes).
-fn extension_access() -> Result<String, RenderError> {
-    let name = "gardenet-extension:node-reader".to_owned();
-    let labels = Some(BTreeMap::from([("app.kubernetes.io/name".to_owned(), "gardenet-extension".to_owned())]));
-    let role = ClusterRole {
-        metadata: ObjectMeta { name: Some(name.clone()), labels: labels.clone(), ..Default::default() },
-        rules: Some(vec![PolicyRule {
-            api_groups: Some(vec![String::new()]),
-            resources: Some(vec!["nodes".into()]),
-            verbs: vec!["get".into(), "list".into()],
-            ..Default::default()
-        }]),
-        ..Default::default()
-    };
-    let binding = ClusterRoleBinding {
-        metadata: ObjectMeta { name: Some(name.clone()), labels, ..Default::default() },
-        role_ref: RoleRef { api_group: Some("rbac.authorization.k8s.io".into()), kind: "ClusterRole".into(), name },
-        subjects: Some(vec![Subject {
-            kind: "ServiceAccount".into(),
-            name: EXTENSION_SHOOT_ACCOUNT.into(),
-            namespace: Some("kube-system".into()),
-            ..Default::default()
-        }]),
-    };
-    Ok(join(vec![to_yaml("ClusterRole", &role)?, to_yaml("ClusterRoleBinding", &binding)?]))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,7 +238,6 @@ mod tests {
         let out = render(&plan(false), &settings()).unwrap();
         assert!(!out[KEY_RBAC].contains("extensions.gardener.cloud"), "{}", out[KEY_RBAC]);
         assert!(out[KEY_RBAC].contains("nodes/status"));
-        assert!(out[KEY_EXTENSION_ACCESS].contains(EXTENSION_SHOOT_ACCOUNT));
         // Rendering is deterministic: the same plan gives the same secret name.
         assert_eq!(out, render(&plan(false), &settings()).unwrap());
     }

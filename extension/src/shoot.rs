@@ -1,27 +1,28 @@
-//! Access to the shoot, the way Gardener gives it to extensions: the extension asks for a
-//! token by creating a "shoot access" Secret in the shoot namespace (labelled for the
-//! resource manager's token requestor, which creates the ServiceAccount in the shoot and
-//! writes a rotating token into the Secret), and combines that token with the
-//! `generic-token-kubeconfig` Secret gardenlet keeps next to it. No shoot credentials ever
-//! go into the shoot manifests.
-
-use std::collections::BTreeMap;
+//! Access to the shoot, the way Gardener's extension library gives it to extension
+//! controllers (`util.NewClientForShoot`, `extensions/pkg/util/shoot_clients.go`): the
+//! kubeconfig in the `gardener-internal` Secret of the shoot namespace (the in-cluster
+//! address `kube-apiserver.<namespace>.svc`, reachable from the extension's own namespace),
+//! else the `gardener` Secret (the external address); only `gardener` when
+//! `GARDENER_SHOOT_CLIENT=external`. gardenlet keeps both, and their tokens, current. No
+//! shoot credentials ever go into the shoot manifests.
+//!
+//! (The `generic-token-kubeconfig` with a `shoot-access-*` token is for pods running in the
+//! shoot namespace: its server is the namespace-relative `kube-apiserver`.)
 
 use gardenet_agent::gardener::aggregate::{node_readiness, NodeReadiness};
 use k8s_openapi::api::core::v1::{Node, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use kube::api::{ListParams, PostParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::ListParams;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
-use crate::cluster::Cluster;
-use crate::render::EXTENSION_SHOOT_ACCOUNT;
-
-/// The Secret the token requestor fills with the token of `gardenet-extension` in the shoot.
-pub const ACCESS_SECRET: &str = "shoot-access-gardenet-extension";
-/// Cluster annotation naming the generic token kubeconfig Secret.
-pub const ANNOTATION_GENERIC_KUBECONFIG: &str = "generic-token-kubeconfig.secret.gardener.cloud/name";
-pub const DEFAULT_GENERIC_KUBECONFIG: &str = "generic-token-kubeconfig";
+/// The Secrets holding gardenlet's kubeconfig for the shoot (`SecretNameGardenerInternal`,
+/// `SecretNameGardener`), and the key of the kubeconfig in them.
+pub const SECRET_GARDENER_INTERNAL: &str = "gardener-internal";
+pub const SECRET_GARDENER: &str = "gardener";
+const KEY_KUBECONFIG: &str = "kubeconfig";
+/// `external`: use only the `gardener` Secret (the extension runs outside the seed).
+pub const ENV_SHOOT_CLIENT: &str = "GARDENER_SHOOT_CLIENT";
 /// Agents refresh their Node condition more often than this (the agent's default heartbeat
 /// is well below); an older one counts as a dead agent.
 pub const MAX_HEARTBEAT_AGE_SECONDS: i64 = 120;
@@ -36,77 +37,41 @@ pub enum ShootAccessError {
     Kube(#[from] kube::Error),
 }
 
-/// The shoot access Secret, as the token requestor expects it.
-pub fn access_secret(namespace: &str) -> Secret {
-    Secret {
-        metadata: ObjectMeta {
-            name: Some(ACCESS_SECRET.into()),
-            namespace: Some(namespace.into()),
-            labels: Some(BTreeMap::from([
-                ("resources.gardener.cloud/purpose".into(), "token-requestor".into()),
-                ("resources.gardener.cloud/class".into(), "shoot".into()),
-            ])),
-            annotations: Some(BTreeMap::from([
-                ("serviceaccount.resources.gardener.cloud/name".into(), EXTENSION_SHOOT_ACCOUNT.into()),
-                ("serviceaccount.resources.gardener.cloud/namespace".into(), "kube-system".into()),
-            ])),
-            ..Default::default()
-        },
-        type_: Some("Opaque".into()),
-        ..Default::default()
+/// The Secrets to try, in order, as `NewClientForShoot` does.
+pub fn kubeconfig_secrets(shoot_client_env: Option<&str>) -> &'static [&'static str] {
+    if shoot_client_env == Some("external") {
+        &[SECRET_GARDENER]
+    } else {
+        &[SECRET_GARDENER_INTERNAL, SECRET_GARDENER]
     }
 }
 
-/// Creates the shoot access Secret if it does not exist (never overwrites the token in it).
-pub async fn ensure_access_secret(seed: &Client, namespace: &str) -> Result<(), kube::Error> {
+/// A client for the shoot whose control plane lives in `namespace`.
+pub async fn client(seed: &Client, namespace: &str) -> Result<Client, ShootAccessError> {
     let api: Api<Secret> = Api::namespaced(seed.clone(), namespace);
-    match api.create(&PostParams::default(), &access_secret(namespace)).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-fn secret_text(secret: &Secret, key: &str) -> Option<String> {
-    secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(key))
-        .map(|b| String::from_utf8_lossy(&b.0).into_owned())
-        .filter(|s| !s.is_empty())
-}
-
-/// A client for the shoot of `cluster`, from the generic kubeconfig and the requested token.
-pub async fn client(seed: &Client, namespace: &str, cluster: &Cluster) -> Result<Client, ShootAccessError> {
-    let api: Api<Secret> = Api::namespaced(seed.clone(), namespace);
-    let kubeconfig_name = cluster
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_GENERIC_KUBECONFIG))
-        .cloned()
-        .unwrap_or_else(|| DEFAULT_GENERIC_KUBECONFIG.to_owned());
-    let get = |name: String| {
-        let api = api.clone();
-        async move { api.get_opt(&name).await?.ok_or(ShootAccessError::NotYet(name)) }
-    };
-    let generic = get(kubeconfig_name.clone()).await?;
-    let access = get(ACCESS_SECRET.to_owned()).await?;
-    let invalid = |secret: &str, what: &str| ShootAccessError::Invalid { secret: secret.to_owned(), what: what.to_owned() };
-    let text = secret_text(&generic, "kubeconfig").ok_or_else(|| invalid(&kubeconfig_name, "no kubeconfig key"))?;
-    let token = secret_text(&access, "token").ok_or_else(|| ShootAccessError::NotYet(format!("{ACCESS_SECRET} (token)")))?;
-    let mut kubeconfig = Kubeconfig::from_yaml(&text).map_err(|e| invalid(&kubeconfig_name, &e.to_string()))?;
-    // The generic kubeconfig points at a token file mounted into shoot-namespace pods; the
-    // extension runs elsewhere and uses the token directly.
-    for user in &mut kubeconfig.auth_infos {
-        if let Some(auth) = &mut user.auth_info {
-            auth.token_file = None;
-            auth.token = Some(token.clone().into());
+    let env = std::env::var(ENV_SHOOT_CLIENT).ok();
+    let mut found = None;
+    for name in kubeconfig_secrets(env.as_deref()) {
+        if let Some(secret) = api.get_opt(name).await? {
+            found = Some((*name, secret));
+            break;
         }
     }
+    let Some((name, secret)) = found else {
+        return Err(ShootAccessError::NotYet(kubeconfig_secrets(env.as_deref()).join(" or ")));
+    };
+    let invalid = |what: &str| ShootAccessError::Invalid { secret: name.to_owned(), what: what.to_owned() };
+    let text = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(KEY_KUBECONFIG))
+        .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| invalid("no kubeconfig key"))?;
+    let kubeconfig = Kubeconfig::from_yaml(&text).map_err(|e| invalid(&e.to_string()))?;
     let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
-        .map_err(|e| invalid(&kubeconfig_name, &e.to_string()))?;
+        .map_err(|e| invalid(&e.to_string()))?;
     Ok(Client::try_from(config)?)
 }
 
@@ -128,4 +93,16 @@ pub async fn node_readiness_all(shoot: &Client, now: &Time) -> Result<Vec<NodeRe
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_kubeconfig_first_unless_external_is_asked_for() {
+        assert_eq!(kubeconfig_secrets(None), ["gardener-internal", "gardener"]);
+        assert_eq!(kubeconfig_secrets(Some("internal")), ["gardener-internal", "gardener"]);
+        assert_eq!(kubeconfig_secrets(Some("external")), ["gardener"]);
+    }
 }

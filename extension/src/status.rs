@@ -1,4 +1,8 @@
-//! The Network status the extension writes, as merge patches for the `status` subresource.
+//! The Network status the extension writes, as merge patches for the `status` subresource,
+//! with the fields and texts of Gardener's `StatusUpdater` (`extensions/pkg/controller/status.go`)
+//! as the network reconciler calls it: `Processing` (progress 1, "Reconciling the Network"),
+//! `Error` (progress 50, observedGeneration, lastError "Error reconciling Network: ..." with
+//! the codes the error carries) and `Success` (progress 100, observedGeneration, no lastError).
 //! Each patch names only the extension's fields, so fields of other writers survive
 //! (`state` and `resources` belong to gardenlet, foreign conditions to their owners).
 
@@ -13,7 +17,6 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::contract::Plan;
-use crate::operation::ANNOTATION_TIMESTAMP;
 
 /// gardenet's `providerStatus` as the extension writes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -27,48 +30,29 @@ pub struct ProviderStatus {
     pub secret: String,
 }
 
-/// The time to record: now, but never before gardenlet's `gardener.cloud/timestamp`
-/// (gardenlet waits for a `lastUpdateTime` after the time it asked; clocks differ). The
-/// result is rounded up to whole seconds, because that is all a `metav1.Time` keeps: a
-/// truncated time from the same second would read as older than the request.
-pub fn operation_time(now: Time, network: &Network) -> Time {
-    let asked = network
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_TIMESTAMP))
-        .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok());
-    let Some(asked) = asked else { return now };
-    let t = asked.max(now.0);
-    if t.subsec_nanosecond() == 0 {
-        return Time(t);
-    }
-    Time(k8s_openapi::jiff::Timestamp::from_second(t.as_second() + 1).unwrap_or(t))
-}
-
 fn last_operation(type_: &LastOperationType, state: LastOperationState, progress: i32, description: &str, at: &Time) -> Value {
     json!({"type": type_, "state": state, "progress": progress, "description": description, "lastUpdateTime": at})
 }
 
-/// What an operation is called in descriptions ("Reconciling the network").
-pub fn verb(type_: &LastOperationType) -> (&'static str, &'static str) {
+/// What an operation is called in descriptions: ("Reconciling", "reconciling", "reconciled").
+pub fn verb(type_: &LastOperationType) -> (&'static str, &'static str, &'static str) {
     match type_ {
-        LastOperationType::Create | LastOperationType::Reconcile => ("Reconciling", "reconciled"),
-        LastOperationType::Delete => ("Deleting", "deleted"),
-        LastOperationType::Migrate => ("Migrating", "migrated"),
-        LastOperationType::Restore => ("Restoring", "restored"),
-        _ => ("Processing", "processed"),
+        LastOperationType::Create | LastOperationType::Reconcile => ("Reconciling", "reconciling", "reconciled"),
+        LastOperationType::Delete => ("Deleting", "deleting", "deleted"),
+        LastOperationType::Migrate => ("Migrating", "migrating", "migrated"),
+        LastOperationType::Restore => ("Restoring", "restoring", "restored"),
+        _ => ("Processing", "processing", "processed"),
     }
 }
 
 pub fn processing(type_: &LastOperationType, at: &Time) -> Value {
-    let description = format!("{} the network", verb(type_).0);
+    let description = format!("{} the Network", verb(type_).0);
     json!({"status": {"lastOperation": last_operation(type_, LastOperationState::Processing, 1, &description, at)}})
 }
 
 /// Success; a reconcile also records what it reconciled to.
 pub fn succeeded(type_: &LastOperationType, generation: i64, reconciled: Option<(&Plan, ProviderStatus)>, at: &Time) -> Value {
-    let description = format!("Successfully {} the network", verb(type_).1);
+    let description = format!("Successfully {} Network", verb(type_).2);
     let mut status = json!({
         "lastOperation": last_operation(type_, LastOperationState::Succeeded, 100, &description, at),
         "lastError": null,
@@ -82,13 +66,18 @@ pub fn succeeded(type_: &LastOperationType, generation: i64, reconciled: Option<
 }
 
 /// A failed operation: `state: Error` and a `lastError`, with `ERR_CONFIGURATION_PROBLEM`
-/// when only a change of the configuration can fix it.
+/// when only a change of the configuration can fix it (no `codes` otherwise, as
+/// `ExtractErrorCodes` finds none). The description starts upper-case
+/// (`FormatLastErrDescription`).
 pub fn error(type_: &LastOperationType, generation: i64, description: &str, configuration_problem: bool, at: &Time) -> Value {
-    let text = format!("Error {} the network: {description}", verb(type_).0.to_lowercase());
-    let codes: Vec<&str> = if configuration_problem { vec![ERR_CONFIGURATION_PROBLEM] } else { Vec::new() };
+    let text = format!("Error {} Network: {description}", verb(type_).1);
+    let mut last_error = json!({"description": text, "lastUpdateTime": at});
+    if configuration_problem {
+        last_error["codes"] = json!([ERR_CONFIGURATION_PROBLEM]);
+    }
     json!({"status": {
         "lastOperation": last_operation(type_, LastOperationState::Error, 50, &text, at),
-        "lastError": {"description": text, "codes": codes, "lastUpdateTime": at},
+        "lastError": last_error,
         "observedGeneration": generation,
     }})
 }
@@ -160,32 +149,20 @@ mod tests {
     }
 
     #[test]
-    fn time_is_never_before_gardenlets_request() {
-        let now = time("2025-01-01T10:00:00Z");
-        assert_eq!(operation_time(now.clone(), &network(None)), now);
-        let later = network(Some((ANNOTATION_TIMESTAMP, "2025-01-01T10:00:05Z")));
-        assert_eq!(operation_time(now.clone(), &later), time("2025-01-01T10:00:05Z"));
-        let earlier = network(Some((ANNOTATION_TIMESTAMP, "2025-01-01T09:00:00Z")));
-        assert_eq!(operation_time(now.clone(), &earlier), now);
-        // Sub-second requests round up: the written (whole-second) time is not before them.
-        let same_second = network(Some((ANNOTATION_TIMESTAMP, "2025-01-01T10:00:00.5Z")));
-        assert_eq!(operation_time(now.clone(), &same_second), time("2025-01-01T10:00:01Z"));
-        let garbage = network(Some((ANNOTATION_TIMESTAMP, "yesterday")));
-        assert_eq!(operation_time(now.clone(), &garbage), now);
-    }
-
-    #[test]
     fn patches_have_gardeners_shape() {
         let at = time("2025-01-01T10:00:00Z");
         let p = processing(&LastOperationType::Create, &at);
         assert_eq!(p["status"]["lastOperation"]["state"], "Processing");
         assert_eq!(p["status"]["lastOperation"]["type"], "Create");
         assert_eq!(p["status"]["lastOperation"]["lastUpdateTime"], "2025-01-01T10:00:00Z");
+        assert_eq!(p["status"]["lastOperation"]["description"], "Reconciling the Network");
+        assert_eq!(p["status"]["lastOperation"]["progress"], 1);
         assert_eq!(p["status"].as_object().unwrap().len(), 1);
 
         let plan = plan();
         let s = succeeded(&LastOperationType::Reconcile, 3, Some((&plan, provider_status(&plan, "s1"))), &at);
         assert_eq!(s["status"]["lastOperation"]["progress"], 100);
+        assert_eq!(s["status"]["lastOperation"]["description"], "Successfully reconciled Network");
         assert_eq!(s["status"]["lastError"], Value::Null);
         assert_eq!(s["status"]["observedGeneration"], 3);
         assert_eq!(s["status"]["ipFamilies"], json!(["IPv4"]));
@@ -196,9 +173,11 @@ mod tests {
         let e = error(&LastOperationType::Reconcile, 3, "bad", true, &at);
         assert_eq!(e["status"]["lastOperation"]["state"], "Error");
         assert_eq!(e["status"]["lastError"]["codes"], json!([ERR_CONFIGURATION_PROBLEM]));
-        assert!(e["status"]["lastError"]["description"].as_str().unwrap().ends_with(": bad"));
+        assert_eq!(e["status"]["lastError"]["description"], "Error reconciling Network: bad");
+        assert_eq!(e["status"]["lastOperation"]["progress"], 50);
         let e = error(&LastOperationType::Delete, 3, "timeout", false, &at);
-        assert_eq!(e["status"]["lastError"]["codes"], json!([]));
+        assert_eq!(e["status"]["lastError"]["description"], "Error deleting Network: timeout");
+        assert!(e["status"]["lastError"].get("codes").is_none(), "{e}");
     }
 
     #[test]

@@ -839,6 +839,9 @@ fn controller_registration_names_the_network_type() {
     let docs = extension_docs();
     let reg = json_of(find(&docs, "ControllerRegistration"));
     let dep = json_of(find(&docs, "ControllerDeployment"));
+    // The API versions Gardener serves them in (ControllerDeployment moved to core/v1).
+    assert_eq!(reg["apiVersion"], "core.gardener.cloud/v1beta1");
+    assert_eq!(dep["apiVersion"], "core.gardener.cloud/v1");
     assert_eq!(reg["spec"]["resources"], serde_json::json!([{"kind": "Network", "type": "gardenet", "primary": true}]));
     assert_eq!(reg["spec"]["deployment"]["deploymentRefs"][0]["name"], dep["metadata"]["name"]);
     assert!(dep["helm"]["ociRepository"]["ref"].is_string() || dep["helm"]["rawChart"].is_string());
@@ -877,6 +880,15 @@ fn extension_rbac_is_what_the_controller_uses() {
         assert!(!allows(&rules, group, resource, verb), "ClusterRole allows {verb} {group}/{resource}");
     }
     let deployment: Deployment = strict(find(&docs, "Deployment"));
+    // Gardener's seed network policies let only labelled pods reach the shoots' API servers.
+    let labels = deployment.spec.template.metadata.as_ref().and_then(|m| m.labels.clone()).unwrap_or_default();
+    for label in [
+        "networking.gardener.cloud/to-runtime-apiserver",
+        "networking.gardener.cloud/to-dns",
+        "networking.resources.gardener.cloud/to-all-shoots-kube-apiserver-tcp-443",
+    ] {
+        assert_eq!(labels.get(label).map(String::as_str), Some("allowed"), "pod label {label}");
+    }
     let pod = deployment.spec.template.spec.unwrap();
     let sa: ServiceAccount = strict(find(&docs, "ServiceAccount"));
     assert_eq!(pod.service_account_name, sa.metadata.name);

@@ -40,8 +40,10 @@ pub const NODE_CONDITION_AGENT_READY: &str = "GardenetAgentReady";
 /// `kind` of gardenet's `providerStatus`.
 pub const PROVIDER_STATUS_KIND: &str = "NetworkStatus";
 
-/// Families the dataplane can route today (its maps are IPv4-only).
-pub const SUPPORTED_IP_FAMILIES: &[IpFamily] = &[IpFamily::IPv4];
+/// Families the dataplane routes: every IPv4 map has an IPv6 twin, the socket LB hooks
+/// connect6/sendmsg6/recvmsg6, TC and XDP parse both; a dual-stack Service gets frontends of
+/// both families (see `translate`).
+pub const SUPPORTED_IP_FAMILIES: &[IpFamily] = &[IpFamily::IPv4, IpFamily::IPv6];
 
 /// At most this many not-ready nodes are named in a message; status fields are read by
 /// humans and must stay short on large clusters.
@@ -710,23 +712,32 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_ip_family_is_a_configuration_problem() {
-        let mut s = spec();
-        s.ip_families = vec![IpFamily::IPv4, IpFamily::IPv6];
+    fn dual_stack_is_supported_and_unknown_families_are_a_configuration_problem() {
         let config = NetworkConfig::default();
         let nodes = [node("a", Some(true))];
-        let d = aggregate(&AggregateInput {
-            generation: 1,
-            spec: &s,
-            config: &config,
-            kube_proxy_enabled: false,
-            nodes: &nodes,
-            now: t(0),
-        });
+        let run_with = |families: Vec<IpFamily>| {
+            let mut s = spec();
+            s.ip_families = families;
+            aggregate(&AggregateInput {
+                generation: 1,
+                spec: &s,
+                config: &config,
+                kube_proxy_enabled: false,
+                nodes: &nodes,
+                now: t(0),
+            })
+        };
+        for families in [vec![IpFamily::IPv6], vec![IpFamily::IPv4, IpFamily::IPv6], vec![IpFamily::IPv6, IpFamily::IPv4]] {
+            let d = run_with(families.clone());
+            assert!(d.last_error.is_none(), "{families:?}: {:?}", d.last_error);
+            assert_eq!(d.last_operation.state, LastOperationState::Succeeded);
+            assert_eq!(d.ip_families, families);
+        }
+        let d = run_with(vec![IpFamily::IPv4, IpFamily::Other("IPv7".into())]);
         let err = d.last_error.expect("lastError");
         assert!(
             err.description
-                .contains("IPv6 Service routing is not supported"),
+                .contains("IPv7 Service routing is not supported"),
             "{}",
             err.description
         );
