@@ -246,7 +246,7 @@ async fn created_like_gardenlet_ends_succeeded_with_managed_resource_and_secret(
     // Shoot access is gardenlet's kubeconfig; the extension creates no Secret of its own for it.
     let secrets: Api<Secret> = Api::namespaced(client(&seed), NS);
     let names: Vec<String> = secrets.list(&Default::default()).await.unwrap().items.into_iter().filter_map(|s| s.metadata.name).collect();
-    assert_eq!(names, [secret_name.clone()]);
+    assert_eq!(names, std::slice::from_ref(&secret_name));
     running.stop().await;
 }
 

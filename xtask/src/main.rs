@@ -78,6 +78,11 @@ fn main() -> Result<()> {
             if let Some(spec) = kernel {
                 return kernel_matrix(&kmatrix::kernels(&spec)?, suites.as_deref(), &args);
             }
+            // Lints first: a warning fails the run (the eBPF crate builds only for its target).
+            cargo(&[
+                "clippy", "--no-deps", "--all-targets", "-p", "gardenet-common", "-p", "gardenet-agent", "-p", "gardenet-tests", "-p", "gardenet-extension",
+                "-p", "xtask", "--", "-D", "warnings",
+            ])?;
             let mut a = vec!["test".to_string()];
             if !args.is_empty() {
                 a.push("--".into());
