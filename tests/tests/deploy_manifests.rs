@@ -917,17 +917,23 @@ fn webhook_selects_shoots_of_type_gardenet() {
     assert_eq!(hook.admission_review_versions, ["v1"]);
 }
 
-#[test]
-fn rendered_shoot_manifests_parse_strictly_and_keep_the_daemonset_properties() {
+/// What the extension decides for a shoot with kube-proxy off and the default NetworkConfig.
+fn replacement_plan() -> gardenet_extension::contract::Plan {
     use gardenet_agent::gardener::config::ServiceRouting;
-    use gardenet_extension::{cluster::ApiServerEndpoint, contract::Plan, render};
-    let plan = Plan {
+    use gardenet_extension::cluster::ApiServerEndpoint;
+    gardenet_extension::contract::Plan {
         config: NetworkConfig::default(),
         routing: ServiceRouting::Required,
         kube_proxy_enabled: false,
         api_server: Some(ApiServerEndpoint { host: "api.example.com".into(), port: 443 }),
         ip_families: vec![network::IpFamily::IPv4],
-    };
+    }
+}
+
+#[test]
+fn rendered_shoot_manifests_parse_strictly_and_keep_the_daemonset_properties() {
+    use gardenet_extension::render;
+    let plan = replacement_plan();
     let rendered = render::render(&plan, &render::Settings { image: "gardenet-agent:test".into() }).unwrap();
     let mut docs = Vec::new();
     for (key, text) in &rendered {
@@ -951,16 +957,9 @@ fn rendered_shoot_manifests_parse_strictly_and_keep_the_daemonset_properties() {
 /// outcome, and the ManagedResource.
 #[test]
 fn objects_written_by_the_extension_fit_the_crds() {
-    use gardenet_agent::gardener::config::ServiceRouting;
     use gardenet_agent::gardener::network::LastOperationType;
-    use gardenet_extension::{cluster::ApiServerEndpoint, contract::Plan, managed, status};
-    let plan = Plan {
-        config: NetworkConfig::default(),
-        routing: ServiceRouting::Required,
-        kube_proxy_enabled: false,
-        api_server: Some(ApiServerEndpoint { host: "api.example.com".into(), port: 443 }),
-        ip_families: vec![network::IpFamily::IPv4],
-    };
+    use gardenet_extension::{managed, status};
+    let plan = replacement_plan();
     let at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time("2025-05-01T10:00:00Z".parse().unwrap());
     let t = LastOperationType::Reconcile;
     let patches = [
