@@ -19,6 +19,24 @@ pub struct NodeInfo {
     /// The kernel cannot source-NAT on the TC path (`BPF_FIB_LOOKUP_SRC` needs Linux 6.7):
     /// external traffic to remote endpoints is then only DNATed, as before source NAT existed.
     pub no_source_nat: bool,
+    /// `spec.externalIPs` are ignored (NetworkConfig `externalIPs.enabled: false`; Kubernetes
+    /// is deprecating them, CVE-2020-8554).
+    pub no_external_ips: bool,
+    /// Frontends sent to a listener on this node while it is there (node-local DNS).
+    pub local_redirects: Vec<LocalRedirect>,
+}
+
+/// A local-redirect rule with what the agent currently sees listening: the ClusterIP
+/// frontends of `service` whose protocol and port are in `listening` go to `to` (same port)
+/// instead of the Service's endpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalRedirect {
+    /// `namespace/name` of the Service (e.g. `kube-system/kube-dns`).
+    pub service: String,
+    /// The local listener's address (node-local DNS: 169.254.20.10), IPv4 or IPv6.
+    pub to: IpAddr,
+    /// `(protocol, port)` with a socket bound on `to` right now.
+    pub listening: BTreeSet<(Proto, u16)>,
 }
 
 /// Why a Service (or part of it) was not programmed. Logged, counted and posted as an Event
