@@ -14,11 +14,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use gardenet_common::{
     ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, ServiceKey4, ServiceKey6, ServiceValue4,
-    BE_FLAG_REMOTE, SVC_FLAG_NONE, SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SourceRange4, SourceRange6, SOURCE_RANGE_FE_BITS4,
+    BE_FLAG_REMOTE, SVC_FLAG_DROP, SVC_FLAG_NONE, SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES, SourceRange4, SourceRange6, SOURCE_RANGE_FE_BITS4,
     SOURCE_RANGE_FE_BITS6,
 };
 
-use crate::model::{Backend, Cidr, Frontend, FrontendSpec, Proto};
+use crate::model::{Backend, Cidr, Frontend, FrontendSpec, Proto, Scope};
 
 /// Errors from the map backend (a full map, a vanished pin, ...).
 #[derive(Debug, thiserror::Error)]
@@ -99,7 +99,7 @@ impl RangeKey {
             RangeKey::V4(len, d) => (Ipv4Addr::from(u32::from_be(d.fe_addr)).into(), d.fe_port, d.proto, Ipv4Addr::from(u32::from_be(d.client)).into(), len.checked_sub(SOURCE_RANGE_FE_BITS4)?),
             RangeKey::V6(len, d) => (Ipv6Addr::from(ip6_octets(d.fe_addr)).into(), d.fe_port, d.proto, Ipv6Addr::from(ip6_octets(d.client)).into(), len.checked_sub(SOURCE_RANGE_FE_BITS6)?),
         };
-        let fe = Frontend { addr, port: u16::from_be(port), proto: Proto::from_number(proto)? };
+        let fe = Frontend::new(addr, u16::from_be(port), Proto::from_number(proto)?);
         Some((fe, Cidr::new(client, u8::try_from(len).ok()?)?))
     }
 }
@@ -109,7 +109,7 @@ fn no_v6(op: String) -> MapError {
 }
 
 pub fn match_key6(fe: &ServiceKey6, backend_id: u32) -> AffinityMatchKey6 {
-    AffinityMatchKey6 { backend_id, addr: fe.addr, port: fe.port, proto: fe.proto, _pad: 0 }
+    AffinityMatchKey6 { backend_id, addr: fe.addr, port: fe.port, proto: fe.proto, scope: fe.scope }
 }
 
 /// A service-map key of either family: what the writer addresses a frontend's entries by.
@@ -165,9 +165,10 @@ fn forget_ranges(maps: &mut impl LbMaps, keys: &[RangeKey]) {
 
 /// Service-map key of a frontend, in the map of its family.
 pub fn svc_key(fe: &Frontend) -> SvcKey {
+    let scope = fe.scope.number();
     match fe.addr {
-        IpAddr::V4(a) => SvcKey::V4(ServiceKey4::master(u32::from(a).to_be(), fe.port.to_be(), fe.proto.number())),
-        IpAddr::V6(a) => SvcKey::V6(ServiceKey6::master(ip6_from_octets(a.octets()), fe.port.to_be(), fe.proto.number())),
+        IpAddr::V4(a) => SvcKey::V4(ServiceKey4::master(u32::from(a).to_be(), fe.port.to_be(), fe.proto.number()).with_scope(scope)),
+        IpAddr::V6(a) => SvcKey::V6(ServiceKey6::master(ip6_from_octets(a.octets()), fe.port.to_be(), fe.proto.number()).with_scope(scope)),
     }
 }
 
@@ -186,7 +187,7 @@ fn del_be(maps: &mut impl LbMaps, id: u32, b: &Backend) -> Result<(), MapError> 
 }
 
 pub fn match_key(fe: &ServiceKey4, backend_id: u32) -> AffinityMatchKey4 {
-    AffinityMatchKey4 { backend_id, addr: fe.addr, port: fe.port, proto: fe.proto, _pad: 0 }
+    AffinityMatchKey4 { backend_id, addr: fe.addr, port: fe.port, proto: fe.proto, scope: fe.scope }
 }
 
 /// Counts of map writes done by one operation (for metrics and the O(change) target).
@@ -277,6 +278,12 @@ fn master_flags(spec: &FrontendSpec) -> u16 {
     if !spec.source_ranges.is_empty() {
         f |= SVC_FLAG_SOURCE_RANGES;
     }
+    if spec.two_scopes {
+        f |= SVC_FLAG_TWO_SCOPES;
+    }
+    if spec.drop {
+        f |= SVC_FLAG_DROP;
+    }
     f
 }
 
@@ -308,8 +315,9 @@ pub struct MapDump {
     pub ranges: Vec<RangeKey>,
 }
 
-/// A frontend's identity in the maps, either family (addr as IpAddr, port host order).
-type FeId = (IpAddr, u16, u8);
+/// A frontend's identity in the maps, either family (addr as IpAddr, port host order,
+/// protocol and scope numbers).
+type FeId = (IpAddr, u16, u8, u8);
 
 /// Both families' service entries and backends in one family-neutral shape.
 struct Flat {
@@ -331,10 +339,10 @@ impl Flat {
             }
         };
         for (k, v) in &d.services {
-            add((Ipv4Addr::from(u32::from_be(k.addr)).into(), u16::from_be(k.port), k.proto), k.slot, v);
+            add((Ipv4Addr::from(u32::from_be(k.addr)).into(), u16::from_be(k.port), k.proto, k.scope), k.slot, v);
         }
         for (k, v) in &d.services6 {
-            add((Ipv6Addr::from(ip6_octets(k.addr)).into(), u16::from_be(k.port), k.proto), k.slot, v);
+            add((Ipv6Addr::from(ip6_octets(k.addr)).into(), u16::from_be(k.port), k.proto, k.scope), k.slot, v);
         }
         Flat {
             masters,
@@ -362,6 +370,12 @@ pub struct DumpedFrontend {
     /// External traffic to remote backends is source-NATed (`SVC_FLAG_SNAT_REMOTE`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub snat_remote: bool,
+    /// What happens without backends: `reject` (no endpoints at all) or `drop` (endpoints,
+    /// none usable here; `SVC_FLAG_DROP`).
+    pub when_empty: &'static str,
+    /// Clients on this node use the frontend's `@this-node` set (`SVC_FLAG_TWO_SCOPES`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub two_scopes: bool,
     /// `loadBalancerSourceRanges` in force (the master's flag is set and these are in the trie).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub source_ranges: Vec<Cidr>,
@@ -376,9 +390,9 @@ impl MapDump {
         let ranges = self.ranges_by_frontend();
         let mut out = Vec::new();
         for (id, m) in &flat.masters {
-            let (addr, port, proto) = *id;
-            let Some(proto_e) = Proto::from_number(proto) else { continue };
-            let frontend = Frontend { addr, port, proto: proto_e };
+            let (addr, port, proto, scope) = *id;
+            let (Some(proto_e), Some(scope)) = (Proto::from_number(proto), Scope::from_number(scope)) else { continue };
+            let frontend = Frontend { addr, port, proto: proto_e, scope };
             let bes = flat.backends_of(&addr);
             let mut backends = Vec::new();
             let mut dangling = 0;
@@ -394,6 +408,8 @@ impl MapDump {
                 backends,
                 affinity_timeout: m.affinity_timeout,
                 snat_remote: m.flags & SVC_FLAG_SNAT_REMOTE != 0,
+                when_empty: if m.flags & SVC_FLAG_DROP != 0 { "drop" } else { "reject" },
+                two_scopes: m.flags & SVC_FLAG_TWO_SCOPES != 0,
                 source_ranges,
                 dangling_slots: dangling,
             });
@@ -425,9 +441,9 @@ impl LbState {
         let max_id = dump.backends.iter().map(|(id, _)| *id).chain(dump.backends6.iter().map(|(id, _)| *id)).max().unwrap_or(0);
         st.next_id = max_id.wrapping_add(1).max(1);
         for (fid, v) in &flat.masters {
-            let (addr, port, proto) = *fid;
-            let Some(proto) = Proto::from_number(proto) else { continue };
-            let fe = Frontend { addr, port, proto };
+            let (addr, port, proto, scope) = *fid;
+            let (Some(proto), Some(scope)) = (Proto::from_number(proto), Scope::from_number(scope)) else { continue };
+            let fe = Frontend { addr, port, proto, scope };
             let bes = flat.backends_of(&addr);
             let mut ids = Vec::new();
             for s in 1..=v.count {
@@ -948,7 +964,7 @@ mod tests {
     use super::*;
 
     fn fe(port: u16) -> Frontend {
-        Frontend { addr: "10.96.0.10".parse().unwrap(), port, proto: Proto::Tcp }
+        Frontend::new("10.96.0.10".parse().unwrap(), port, Proto::Tcp)
     }
     fn be(last: u8) -> Backend {
         Backend::new(format!("10.0.0.{last}").parse().unwrap(), 8080)
@@ -1193,7 +1209,7 @@ mod tests {
     }
 
     fn fe6(port: u16) -> Frontend {
-        Frontend { addr: "fd00:19::10".parse().unwrap(), port, proto: Proto::Tcp }
+        Frontend::new("fd00:19::10".parse().unwrap(), port, Proto::Tcp)
     }
     fn be6(last: u8) -> Backend {
         Backend::new(format!("fd00:18:1::{last:x}").parse().unwrap(), 8080)

@@ -43,26 +43,83 @@ impl fmt::Display for Proto {
     }
 }
 
+/// Which clients a frontend's backend set is for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scope {
+    /// Everyone (the set every hook finds first).
+    #[default]
+    All,
+    /// Clients on this node (socket LB), where they get other backends than traffic from
+    /// outside: external frontends of `externalTrafficPolicy: Local` Services.
+    ThisNode,
+}
+
+impl Scope {
+    pub fn number(self) -> u8 {
+        match self {
+            Scope::All => gardenet_common::SCOPE_ALL,
+            Scope::ThisNode => gardenet_common::SCOPE_THIS_NODE,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            gardenet_common::SCOPE_ALL => Some(Scope::All),
+            gardenet_common::SCOPE_THIS_NODE => Some(Scope::ThisNode),
+            _ => None,
+        }
+    }
+
+    fn is_all(&self) -> bool {
+        *self == Scope::All
+    }
+}
+
 /// Where clients send traffic: a VIP (ClusterIP, node IP for NodePort, external IP), a port
-/// and a protocol.
+/// and a protocol; `scope` tells a frontend's second backend set (for clients on this node)
+/// from its first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Frontend {
     /// IPv4 or IPv6 (the address family selects the v4 or v6 maps).
     pub addr: IpAddr,
     pub port: u16,
     pub proto: Proto,
+    #[serde(default, skip_serializing_if = "Scope::is_all")]
+    pub scope: Scope,
 }
 
-impl fmt::Display for Frontend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", SocketAddr::new(self.addr, self.port), self.proto)
+impl Frontend {
+    pub fn new(addr: IpAddr, port: u16, proto: Proto) -> Self {
+        Frontend { addr, port, proto, scope: Scope::All }
+    }
+
+    /// The same frontend's set for clients on this node.
+    pub fn for_this_node(self) -> Self {
+        Frontend { scope: Scope::ThisNode, ..self }
     }
 }
 
-/// Parses `ADDR:PORT[/tcp|udp]` (default tcp).
+/// Suffix of a `Scope::ThisNode` frontend in its text form.
+const THIS_NODE_SUFFIX: &str = "@this-node";
+
+impl fmt::Display for Frontend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", SocketAddr::new(self.addr, self.port), self.proto)?;
+        if self.scope == Scope::ThisNode {
+            f.write_str(THIS_NODE_SUFFIX)?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses `ADDR:PORT[/tcp|udp][@this-node]` (default tcp).
 impl FromStr for Frontend {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(base) = s.strip_suffix(THIS_NODE_SUFFIX) {
+            return Ok(base.parse::<Frontend>()?.for_this_node());
+        }
         let (hostport, proto) = match s.rsplit_once('/') {
             Some((hp, "tcp")) => (hp, Proto::Tcp),
             Some((hp, "udp")) => (hp, Proto::Udp),
@@ -70,7 +127,7 @@ impl FromStr for Frontend {
             None => (s, Proto::Tcp),
         };
         let b: Backend = hostport.parse()?;
-        Ok(Frontend { addr: b.addr, port: b.port, proto })
+        Ok(Frontend::new(b.addr, b.port, proto))
     }
 }
 
@@ -159,8 +216,15 @@ impl FromStr for Cidr {
 /// What one frontend should do.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FrontendSpec {
-    /// Distinct backends; empty means "refuse connections".
+    /// Distinct backends; empty means "refuse connections" (or drop them, see `drop`).
     pub backends: Vec<Backend>,
+    /// Without backends, drop instead of reject: the Service has endpoints, none usable
+    /// here (kube-proxy: "has no local endpoints" DROP vs "has no endpoints" REJECT).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drop: bool,
+    /// The frontend also has a `Scope::ThisNode` set (socket LB looks it up).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub two_scopes: bool,
     /// ClientIP session affinity timeout in seconds (0 = none).
     pub affinity_timeout: u32,
     /// Source-NAT TC LB flows to remote backends (external frontends of
@@ -206,6 +270,11 @@ mod tests {
         }
         let fe: Frontend = "[fd00::10]:80/tcp".parse().unwrap();
         assert!(fe.addr.is_ipv6());
+        let node: Frontend = "10.0.0.1:30080/udp@this-node".parse().unwrap();
+        assert_eq!(node, Frontend::new("10.0.0.1".parse().unwrap(), 30080, Proto::Udp).for_this_node());
+        assert_eq!(node.to_string(), "10.0.0.1:30080/udp@this-node");
+        assert_eq!(serde_json::to_value(node).unwrap()["scope"], "this-node");
+        assert!(serde_json::to_value(fe).unwrap().get("scope").is_none());
         assert!("fd00::10:80".parse::<Frontend>().is_err(), "IPv6 needs brackets");
         assert!("[10.0.0.1]:80".parse::<Backend>().is_err());
         assert!("[fd00::1]:0".parse::<Backend>().is_err());

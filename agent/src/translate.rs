@@ -4,7 +4,7 @@ use std::{collections::BTreeSet, net::IpAddr};
 
 use crate::{
     model::{Backend, Frontend, FrontendSpec, Proto},
-    view::{PortView, ServiceView, SliceView},
+    view::{EndpointView, PortView, ServiceView, SliceView},
 };
 
 pub use crate::view::{DEFAULT_AFFINITY_TIMEOUT, PROXY_NAME, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL};
@@ -130,11 +130,22 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
 
     // NodePorts on the node's addresses of the Service's families.
     let node_addrs: Vec<IpAddr> = node.addresses.iter().copied().filter(|a| svc.serves(a)).collect();
-    // Health checks count the local endpoints of the primary family (a dual-stack pod has one
-    // address per family).
+    let external_ips: &[IpAddr] = if node.no_external_ips { &[] } else { &svc.external_ips };
+    // kube-proxy's ExternallyAccessible, and the policies as it reads them: an external
+    // policy only exists for NodePort and LoadBalancer Services.
+    let externally = svc.node_ports || !svc.lb_ips.is_empty() || !external_ips.is_empty();
+    let external_local = svc.external_local && svc.node_ports;
+    let policy = Policy {
+        uses_cluster: !svc.internal_local || externally,
+        uses_local: svc.internal_local || (external_local && externally),
+    };
+    // Health checks count the ready local endpoints of the primary family (a dual-stack pod
+    // has one address per family); terminating ones keep serving but make the load balancer
+    // move away, as in kube-proxy.
     let primary_v4 = svc.families.first().copied().unwrap_or(true);
     let affinity_timeout = svc.affinity_timeout;
-    let mut local_total: BTreeSet<Backend> = BTreeSet::new();
+    let mut local_ready: BTreeSet<Backend> = BTreeSet::new();
+    let redirect = node.local_redirects.iter().find(|r| r.service == key);
 
     let mut seen: BTreeSet<Frontend> = BTreeSet::new();
     for sp in &svc.ports {
@@ -150,54 +161,64 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
             continue;
         };
         let cands = endpoints_for(sp, proto, slices, node, &mut out, &key);
-        // Per family: [IPv4, IPv6] x (internal, external). A frontend only gets backends of
-        // its own family (no NAT46/64).
-        let mut specs: Vec<(FrontendSpec, FrontendSpec, FrontendSpec)> = Vec::with_capacity(2);
+        // Per family (a frontend only gets backends of its own family, no NAT46/64).
+        let mut specs: Vec<FamilySpecs> = Vec::with_capacity(2);
         for v4 in [true, false] {
             let fam: Vec<&Candidate> = cands.iter().filter(|c| c.backend.addr.is_ipv4() == v4).collect();
-            let local = pick(fam.iter().copied().filter(|c| c.node.is_some_and(|n| n == node.name) && !node.name.is_empty()));
             if v4 == primary_v4 {
-                local_total.extend(local.iter().copied());
+                local_ready.extend(fam.iter().filter(|c| c.ep.ready && c.local).map(|c| c.backend));
             }
-            let in_zone = |c: &Candidate, z: &str| c.zones.is_some_and(|zs| zs.iter().any(|x| &**x == z));
-            let cluster = match node.zone.as_deref() {
-                // Hints are used only when every endpoint has them and some are for our zone.
-                Some(z) if svc.topology && fam.iter().all(|c| c.zones.is_some()) && fam.iter().any(|c| in_zone(c, z)) => {
-                    pick(fam.iter().copied().filter(|c| in_zone(c, z)))
-                }
-                _ => pick(fam.iter().copied()),
+            let cat = categorize(&fam, policy, node);
+            let with = |backends: &Option<Vec<Backend>>| {
+                let backends = backends.clone().unwrap_or_default();
+                // Nothing usable but endpoints somewhere: drop; no endpoints at all: reject.
+                FrontendSpec { drop: backends.is_empty() && cat.has_any, backends, affinity_timeout, ..Default::default() }
             };
-            let internal = FrontendSpec { backends: if svc.internal_local { local.clone() } else { cluster.clone() }, affinity_timeout, ..Default::default() };
-            // External clients of a Cluster-policy Service may land on another node's
-            // endpoint, whose reply must come back through here: source NAT (kube-proxy
-            // masquerades). Local policy keeps the client address and has no remote ones.
-            let externl = FrontendSpec { backends: if svc.external_local { local } else { cluster }, affinity_timeout, snat_remote: !svc.external_local && !node.no_source_nat, ..Default::default() };
+            let internal = with(if svc.internal_local { &cat.local } else { &cat.cluster });
+            let external = if external_local {
+                // Only traffic from outside is limited to local endpoints; clients on this
+                // node use the cluster's (kube-proxy's short-circuit), through a second set.
+                FrontendSpec { two_scopes: true, ..with(&cat.local) }
+            } else {
+                // External clients may land on another node's endpoint, whose reply must
+                // come back through here: source NAT (kube-proxy masquerades).
+                FrontendSpec { snat_remote: !node.no_source_nat, ..with(&cat.cluster) }
+            };
+            let this_node = external_local.then(|| with(&cat.cluster));
             // Load-balancer IPs also admit only the Service's source ranges (of their family).
-            let lb = FrontendSpec { source_ranges: svc.source_ranges.iter().filter(|c| c.addr.is_ipv4() == v4).copied().collect(), ..externl.clone() };
-            specs.push((internal, externl, lb));
+            let lb = FrontendSpec { source_ranges: svc.source_ranges.iter().filter(|c| c.addr.is_ipv4() == v4).copied().collect(), ..external.clone() };
+            specs.push(FamilySpecs { internal, external, lb, this_node });
         }
-        let fam_idx = |a: &IpAddr| if a.is_ipv4() { 0 } else { 1 };
-        let mut add = |out: &mut Translated, fe: Frontend, fs: &FrontendSpec| {
+        let fam = |a: &IpAddr| &specs[if a.is_ipv4() { 0 } else { 1 }];
+        let mut add = |out: &mut Translated, fe: Frontend, fs: &FrontendSpec, this_node: Option<&FrontendSpec>| {
             if seen.insert(fe) {
                 out.frontends.push((fe, fs.clone()));
+                if let Some(tn) = this_node {
+                    out.frontends.push((fe.for_this_node(), tn.clone()));
+                }
             } else {
                 out.problems.push(Problem::service(key.clone(), ProblemKind::Translate, format!("frontend {fe} listed twice")));
             }
         };
         for vip in &svc.cluster_ips {
-            add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].0);
+            let fe = Frontend::new(*vip, port, proto);
+            match redirect.filter(|r| r.to.is_ipv4() == vip.is_ipv4() && r.listening.contains(&(proto, port))) {
+                // A listener on this node takes the frontend (node-local DNS) while it is there.
+                Some(r) => add(&mut out, fe, &FrontendSpec { backends: vec![Backend::new(r.to, port)], ..Default::default() }, None),
+                None => add(&mut out, fe, &fam(vip).internal, None),
+            }
         }
-        for vip in &svc.external_ips {
-            add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].1);
+        for vip in external_ips {
+            add(&mut out, Frontend::new(*vip, port, proto), &fam(vip).external, fam(vip).this_node.as_ref());
         }
         for vip in &svc.lb_ips {
-            add(&mut out, Frontend { addr: *vip, port, proto }, &specs[fam_idx(vip)].2);
+            add(&mut out, Frontend::new(*vip, port, proto), &fam(vip).lb, fam(vip).this_node.as_ref());
         }
         if svc.node_ports {
             match sp.node_port.map(|p| (p, valid_port(p))) {
                 Some((_, Some(np))) => {
                     for a in &node_addrs {
-                        add(&mut out, Frontend { addr: *a, port: np, proto }, &specs[fam_idx(a)].1);
+                        add(&mut out, Frontend::new(*a, np, proto), &fam(a).external, fam(a).this_node.as_ref());
                     }
                 }
                 Some((p, None)) => problem(&mut out, format!("port {}: nodePort {p} is out of range", sp.label())),
@@ -211,9 +232,98 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
                 port: p,
                 namespace: svc.namespace.clone(),
                 name: svc.name.clone(),
-                local_endpoints: local_total.len(),
+                local_endpoints: local_ready.len(),
             });
         }
+    }
+    out
+}
+
+/// One family's frontend specs for a Service port.
+struct FamilySpecs {
+    /// ClusterIPs.
+    internal: FrontendSpec,
+    /// NodePorts and externalIPs.
+    external: FrontendSpec,
+    /// Load-balancer IPs (external + source ranges).
+    lb: FrontendSpec,
+    /// The second set of external frontends for clients on this node (Local policy only).
+    this_node: Option<FrontendSpec>,
+}
+
+/// Which endpoint lists a Service port uses (kube-proxy's `UsesClusterEndpoints` and
+/// `UsesLocalEndpoints`).
+#[derive(Clone, Copy, Debug)]
+struct Policy {
+    uses_cluster: bool,
+    uses_local: bool,
+}
+
+/// kube-proxy's `CategorizeEndpoints` (pkg/proxy/topology.go) for one port and family.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Categorized {
+    /// Cluster-policy endpoints, topology applied; `None` if the port never uses them.
+    cluster: Option<Vec<Backend>>,
+    /// Local-policy endpoints; `None` if the port never uses them.
+    local: Option<Vec<Backend>>,
+    /// Usable endpoints exist somewhere in the cluster (decides drop vs reject).
+    has_any: bool,
+}
+
+/// How cluster endpoints are narrowed by hints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Topology {
+    Any,
+    SameNode,
+    SameZone,
+}
+
+/// kube-proxy's `topologyModeFromHints`: same node when every ready endpoint has node hints
+/// and one names this node; else same zone when every ready endpoint has zone hints and one
+/// names this node's zone; else none. Unready endpoints take no part.
+fn topology_mode(cands: &[&Candidate], node: &NodeInfo) -> Topology {
+    let ready: Vec<&&Candidate> = cands.iter().filter(|c| c.ep.ready).collect();
+    if ready.is_empty() {
+        return Topology::Any;
+    }
+    let names = |h: &[Box<str>], v: &str| h.iter().any(|x| &**x == v);
+    if !node.name.is_empty() && ready.iter().all(|c| !c.ep.node_hints().is_empty()) && ready.iter().any(|c| names(c.ep.node_hints(), &node.name)) {
+        return Topology::SameNode;
+    }
+    let zone = node.zone.as_deref().unwrap_or_default();
+    if !zone.is_empty() && ready.iter().all(|c| !c.ep.zone_hints().is_empty()) && ready.iter().any(|c| names(c.ep.zone_hints(), zone)) {
+        return Topology::SameZone;
+    }
+    Topology::Any
+}
+
+fn categorize(cands: &[&Candidate], policy: Policy, node: &NodeInfo) -> Categorized {
+    let mut out = Categorized::default();
+    let set = |f: &dyn Fn(&Candidate) -> bool| -> Vec<Backend> { cands.iter().filter(|c| f(c)).map(|c| c.backend).collect::<BTreeSet<_>>().into_iter().collect() };
+    let serving_terminating = |c: &Candidate| c.ep.serving && c.ep.terminating;
+    if policy.uses_cluster {
+        let mode = topology_mode(cands, node);
+        let in_topology = |c: &Candidate| match mode {
+            Topology::Any => true,
+            Topology::SameNode => c.ep.node_hints().iter().any(|n| **n == *node.name),
+            Topology::SameZone => c.ep.zone_hints().iter().any(|z| Some(&**z) == node.zone.as_deref()),
+        };
+        let mut cluster = set(&|c| c.ep.ready && in_topology(c));
+        if cluster.is_empty() {
+            // No ready endpoint anywhere (topology never narrows to nothing): fall back to
+            // the serving, terminating ones.
+            cluster = set(&serving_terminating);
+        }
+        out.has_any = !cluster.is_empty();
+        out.cluster = Some(cluster);
+    }
+    if policy.uses_local {
+        out.has_any |= cands.iter().any(|c| c.ep.ready || serving_terminating(c));
+        let mut local = set(&|c| c.local && c.ep.ready);
+        if local.is_empty() {
+            local = set(&|c| c.local && serving_terminating(c));
+        }
+        out.local = Some(local);
     }
     out
 }
@@ -221,24 +331,9 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
 /// One endpoint address of a Service port, with what the selection rules need.
 struct Candidate<'a> {
     backend: Backend,
-    ready: bool,
-    serving: bool,
-    node: Option<&'a str>,
-    zones: Option<&'a [Box<str>]>,
-}
-
-/// Ready endpoints; when none is ready, the serving (terminating) ones, as kube-proxy does.
-fn pick<'a, 'b: 'a>(cands: impl Iterator<Item = &'a Candidate<'b>>) -> Vec<Backend> {
-    let mut ready = BTreeSet::new();
-    let mut serving = BTreeSet::new();
-    for c in cands {
-        if c.ready {
-            ready.insert(c.backend);
-        } else if c.serving {
-            serving.insert(c.backend);
-        }
-    }
-    if ready.is_empty() { serving.into_iter().collect() } else { ready.into_iter().collect() }
+    ep: &'a EndpointView,
+    /// On this node (kube-proxy's `IsLocal`: the endpoint names this node).
+    local: bool,
 }
 
 fn valid_port(p: i32) -> Option<u16> {
@@ -246,7 +341,7 @@ fn valid_port(p: i32) -> Option<u16> {
 }
 
 /// Endpoint candidates for one Service port from all slices (merged; duplicates are resolved
-/// by `pick`).
+/// by `categorize`).
 fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], node: &NodeInfo, out: &mut Translated, key: &str) -> Vec<Candidate<'a>> {
     let mut cands = Vec::new();
     for slice in slices {
@@ -260,12 +355,11 @@ fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], node
             continue;
         };
         cands.extend(slice.endpoints.iter().map(|ep| Candidate {
-            // On another node only if both names are known (no nodeName: treated as local).
+            // On another node only if both names are known (no nodeName: treated as local
+            // for source NAT, which then leaves it alone).
             backend: Backend { addr: ep.addr, port: pn, remote: !node.name.is_empty() && ep.node.as_deref().is_some_and(|n| n != node.name) },
-            ready: ep.ready,
-            serving: ep.serving,
-            node: ep.node.as_deref(),
-            zones: ep.zones.as_deref(),
+            ep,
+            local: !node.name.is_empty() && ep.node.as_deref() == Some(node.name.as_str()),
         }));
     }
     cands
@@ -610,21 +704,263 @@ spec:
     }
 
     #[test]
-    fn topology_hints_when_asked_and_usable() {
+    fn zone_hints_apply_without_the_annotation() {
         let with_zone = NodeInfo { zone: Some("z2".into()), ..node() };
         let plain = SVC.replace("  - {name: dns, port: 53, protocol: UDP}\n", "");
+        // Hints alone decide (kube-proxy since 1.31; the annotation only makes the
+        // EndpointSlice controller write them). The unready 10.0.0.3 takes no part.
         let t = translate(&svc(&plain), &[&slice(LOCAL_SLICE)], &with_zone);
-        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp").len(), 2, "no annotation: hints ignored");
-        let auto = plain.replace("namespace: demo}", "namespace: demo, annotations: {service.kubernetes.io/topology-mode: Auto}}");
-        let t = translate(&svc(&auto), &[&slice(LOCAL_SLICE)], &with_zone);
         assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.2:8080 remote"]));
-        // An endpoint without hints disables them for the whole Service.
+        // A ready endpoint without hints disables them for the whole Service.
         let partial = LOCAL_SLICE.replace(", hints: {forZones: [{name: z2}]}", "");
-        let t = translate(&svc(&auto), &[&slice(&partial)], &with_zone);
+        let t = translate(&svc(&plain), &[&slice(&partial)], &with_zone);
         assert_eq!(backends_of(&t, "10.96.0.10:80/tcp").len(), 2);
-        // No hint for our zone: all endpoints.
+        // No hint for our zone, or no zone label: all endpoints.
         let z9 = NodeInfo { zone: Some("z9".into()), ..node() };
-        assert_eq!(backends_of(&translate(&svc(&auto), &[&slice(LOCAL_SLICE)], &z9), "10.96.0.10:80/tcp").len(), 2);
+        assert_eq!(backends_of(&translate(&svc(&plain), &[&slice(LOCAL_SLICE)], &z9), "10.96.0.10:80/tcp").len(), 2);
+        assert_eq!(backends_of(&translate(&svc(&plain), &[&slice(LOCAL_SLICE)], &node()), "10.96.0.10:80/tcp").len(), 2);
+    }
+
+    #[test]
+    fn prefer_same_node_hints_then_zone_then_all() {
+        let plain = SVC.replace("  - {name: dns, port: 53, protocol: UDP}\n", "");
+        let sl = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-n, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.0.0.1], nodeName: n1, hints: {forNodes: [{name: n1}], forZones: [{name: z1}]}}
+- {addresses: [10.0.0.2], nodeName: n2, hints: {forNodes: [{name: n2}], forZones: [{name: z1}]}}
+- {addresses: [10.0.0.4], nodeName: n4, hints: {forNodes: [{name: n4}], forZones: [{name: z2}]}}
+"#;
+        let n = |name: &str, zone: &str| NodeInfo { name: name.into(), zone: Some(zone.into()), ..node() };
+        let got = |node: &NodeInfo, sl: &str| backends_of(&translate(&svc(&plain), &[&slice(sl)], node), "10.96.0.10:80/tcp").iter().map(|b| b.addr.to_string()).collect::<Vec<_>>();
+        assert_eq!(got(&n("n1", "z1"), sl), ["10.0.0.1"], "this node's endpoint");
+        assert_eq!(got(&n("n3", "z1"), sl), ["10.0.0.1", "10.0.0.2"], "no endpoint for this node: same zone");
+        assert_eq!(got(&n("n3", "z9"), sl), ["10.0.0.1", "10.0.0.2", "10.0.0.4"], "neither: all");
+        let missing = sl.replace("forNodes: [{name: n4}], ", "");
+        assert_eq!(got(&n("n1", "z1"), &missing), ["10.0.0.1", "10.0.0.2"], "one endpoint without a node hint: zone");
+    }
+
+    /// An endpoint for the `categorize` table: address, then flags in kube-proxy's terms.
+    struct Ep {
+        addr: &'static str,
+        ready: bool,
+        serving: bool,
+        terminating: bool,
+        local: bool,
+        zones: &'static [&'static str],
+        nodes: &'static [&'static str],
+    }
+    const EP: Ep = Ep { addr: "", ready: true, serving: true, terminating: false, local: false, zones: &[], nodes: &[] };
+    const TERMINATING: Ep = Ep { ready: false, serving: true, terminating: true, ..EP };
+
+    fn run_categorize(eps: &[Ep], itp_local: bool, etp_local: bool, externally: bool, node: &NodeInfo) -> (Option<Vec<String>>, Option<Vec<String>>, bool) {
+        let views: Vec<EndpointView> = eps
+            .iter()
+            .map(|e| EndpointView {
+                addr: e.addr.parse().unwrap(),
+                ready: e.ready,
+                serving: e.serving,
+                terminating: e.terminating,
+                node: e.local.then(|| node.name.as_str().into()),
+                hints: (!e.zones.is_empty() || !e.nodes.is_empty()).then(|| {
+                    Box::new(crate::view::Hints { zones: e.zones.iter().map(|z| (*z).into()).collect(), nodes: e.nodes.iter().map(|n| (*n).into()).collect() })
+                }),
+            })
+            .collect();
+        let cands: Vec<Candidate> = views.iter().map(|ep| Candidate { backend: Backend::new(ep.addr, 80), ep, local: ep.node.is_some() }).collect();
+        let refs: Vec<&Candidate> = cands.iter().collect();
+        let policy = Policy { uses_cluster: !itp_local || externally, uses_local: itp_local || (etp_local && externally) };
+        let c = categorize(&refs, policy, node);
+        let names = |v: Option<Vec<Backend>>| v.map(|v| v.iter().map(|b| b.addr.to_string()).collect());
+        (names(c.cluster), names(c.local), c.has_any)
+    }
+
+    /// kube-proxy's `TestCategorizeEndpoints` (pkg/proxy/topology_test.go), every case a
+    /// Service, EndpointSlices and a Node can express, with today's semantics (hints without
+    /// annotations, terminating endpoints always on, `PreferSameNode`).
+    #[test]
+    fn categorize_endpoints_as_kube_proxy() {
+        let za = NodeInfo { name: "n1".into(), zone: Some("zone-a".into()), ..Default::default() };
+        let no_zone = NodeInfo { name: "n1".into(), ..Default::default() };
+        let zc = NodeInfo { name: "n1".into(), zone: Some("zone-c".into()), ..Default::default() };
+        let zb = NodeInfo { name: "n1".into(), zone: Some("zone-b".into()), ..Default::default() };
+        let four = [
+            Ep { addr: "10.1.2.3", zones: &["zone-a"], ..EP },
+            Ep { addr: "10.1.2.4", zones: &["zone-b"], ..EP },
+            Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP },
+            Ep { addr: "10.1.2.6", zones: &["zone-a"], ..EP },
+        ];
+        type Case<'a> = (&'a str, &'a [Ep], bool, bool, bool, &'a NodeInfo, Option<&'a [&'a str]>, Option<&'a [&'a str]>, bool);
+        let v = |x: &'static [&'static str]| Some(x);
+        let cases: Vec<Case> = vec![
+            ("hints used", &four, false, false, false, &za, v(&["10.1.2.3", "10.1.2.6"]), None, true),
+            ("no zone label", &four[..1], false, false, false, &no_zone, v(&["10.1.2.3"]), None, true),
+            ("node in another zone: no filtering", &four[..1], false, false, false, &zb, v(&["10.1.2.3"]), None, true),
+            (
+                "unready endpoint not chosen",
+                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-a"], ready: false, ..EP }],
+                false, false, false, &za, v(&["10.1.2.3"]), None, true,
+            ),
+            (
+                "only unready endpoints in our zone: no filtering",
+                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], ready: false, ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP }],
+                false, false, false, &za, v(&["10.1.2.4", "10.1.2.5"]), None, true,
+            ),
+            (
+                "missing hints: no filtering",
+                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], ..EP }, Ep { addr: "10.1.2.5", ..EP }],
+                false, false, false, &za, v(&["10.1.2.3", "10.1.2.5"]), None, true,
+            ),
+            (
+                "multiple hints per endpoint",
+                &[Ep { addr: "10.1.2.3", zones: &["zone-a", "zone-b", "zone-c"], ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b", "zone-c"], ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-b", "zone-d"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-c"], ..EP }],
+                false, false, false, &zc, v(&["10.1.2.3", "10.1.2.4", "10.1.2.6"]), None, true,
+            ),
+            (
+                "eTP Local: topology ignored for local endpoints",
+                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], local: true, ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], local: true, ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-a"], ..EP }],
+                false, true, true, &za, v(&["10.1.2.3", "10.1.2.6"]), v(&["10.1.2.3", "10.1.2.4"]), true,
+            ),
+            (
+                "iTP Local: topology ignored for local endpoints",
+                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], local: true, ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], local: true, ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-a"], ..EP }],
+                true, false, true, &za, v(&["10.1.2.3", "10.1.2.6"]), v(&["10.1.2.3", "10.1.2.4"]), true,
+            ),
+            ("iTP Local, no endpoints", &[], true, false, false, &za, None, v(&[]), false),
+            (
+                "iTP Local, all endpoints remote",
+                &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", ..EP }],
+                true, false, false, &za, None, v(&[]), true,
+            ),
+            (
+                "iTP Local, some endpoints local",
+                &[Ep { addr: "10.0.0.0", local: true, ..EP }, Ep { addr: "10.0.0.1", ..EP }],
+                true, false, false, &za, None, v(&["10.0.0.0"]), true,
+            ),
+            (
+                "Cluster, endpoints not ready",
+                &[Ep { addr: "10.0.0.0", ready: false, serving: false, ..EP }, Ep { addr: "10.0.0.1", ready: false, serving: false, ..EP }],
+                false, false, false, &za, v(&[]), None, false,
+            ),
+            (
+                "Cluster, some ready",
+                &[Ep { addr: "10.0.0.0", ready: false, serving: false, ..EP }, Ep { addr: "10.0.0.1", ..EP }],
+                false, false, false, &za, v(&["10.0.0.1"]), None, true,
+            ),
+            (
+                "Cluster, all terminating",
+                &[Ep { addr: "10.0.0.0", local: true, ..TERMINATING }, Ep { addr: "10.0.0.1", ..TERMINATING }],
+                false, false, false, &za, v(&["10.0.0.0", "10.0.0.1"]), None, true,
+            ),
+            (
+                "serving but not terminating is not a fallback",
+                &[Ep { addr: "10.0.0.0", ready: false, serving: true, terminating: false, ..EP }],
+                false, false, false, &za, v(&[]), None, false,
+            ),
+            (
+                "iTP Local + eTP Local, all remote",
+                &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", ..EP }],
+                true, true, true, &za, v(&["10.0.0.0", "10.0.0.1"]), v(&[]), true,
+            ),
+            (
+                "iTP Local + eTP Local, all remote and terminating",
+                &[Ep { addr: "10.0.0.0", ..TERMINATING }, Ep { addr: "10.0.0.1", ..TERMINATING }],
+                true, true, true, &za, v(&["10.0.0.0", "10.0.0.1"]), v(&[]), true,
+            ),
+            (
+                "eTP Local with terminating endpoints",
+                &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", ready: false, serving: false, local: true, ..EP }, Ep { addr: "10.0.0.2", local: true, ..TERMINATING }, Ep { addr: "10.0.0.3", ..TERMINATING }],
+                false, true, true, &za, v(&["10.0.0.0"]), v(&["10.0.0.2"]), true,
+            ),
+            (
+                "eTP ignored when not externally accessible",
+                &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", local: true, ..EP }],
+                false, true, false, &za, v(&["10.0.0.0", "10.0.0.1"]), None, true,
+            ),
+            (
+                "conflicting topology and localness",
+                &[Ep { addr: "10.0.0.0", zones: &["zone-a"], local: true, ..EP }, Ep { addr: "10.0.0.1", zones: &["zone-b"], local: true, ..EP }, Ep { addr: "10.0.0.2", zones: &["zone-a"], ..EP }, Ep { addr: "10.0.0.3", zones: &["zone-b"], ..EP }],
+                false, true, true, &za, v(&["10.0.0.0", "10.0.0.2"]), v(&["10.0.0.0", "10.0.0.1"]), true,
+            ),
+            (
+                "PreferSameNode",
+                &[Ep { addr: "10.0.0.0", nodes: &["n1"], zones: &["zone-a"], ..EP }, Ep { addr: "10.0.0.1", nodes: &["n2"], zones: &["zone-a"], ..EP }],
+                false, false, false, &za, v(&["10.0.0.0"]), None, true,
+            ),
+            (
+                "PreferSameNode, nothing for this node: zone",
+                &[Ep { addr: "10.0.0.1", nodes: &["n2"], zones: &["zone-a"], ..EP }, Ep { addr: "10.0.0.2", nodes: &["n3"], zones: &["zone-b"], ..EP }],
+                false, false, false, &za, v(&["10.0.0.1"]), None, true,
+            ),
+        ];
+        for (name, eps, itp, etp, ext, node, cluster, local, has_any) in cases {
+            let (c, l, h) = run_categorize(eps, itp, etp, ext, node);
+            let want = |x: Option<&[&str]>| x.map(|x| x.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+            assert_eq!(c, want(cluster), "{name}: cluster endpoints");
+            assert_eq!(l, want(local), "{name}: local endpoints");
+            assert_eq!(h, has_any, "{name}: has any endpoints");
+        }
+    }
+
+    #[test]
+    fn no_endpoints_rejects_none_usable_here_drops() {
+        let itp = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local");
+        let spec = |t: &Translated, f: &str| t.frontends.iter().find(|(x, _)| *x == fe(f)).unwrap().1.clone();
+        let t = translate(&svc(SVC), &[], &node());
+        assert!(!spec(&t, "10.96.0.10:80/tcp").drop, "no endpoints at all: reject");
+        let remote_only = LOCAL_SLICE.replace("nodeName: n1", "nodeName: n7");
+        let t = translate(&svc(&itp), &[&slice(&remote_only)], &node());
+        let s = spec(&t, "10.96.0.10:80/tcp");
+        assert!(s.backends.is_empty() && s.drop, "iTP Local, endpoints only elsewhere: drop");
+        // eTP Local on a node without local endpoints: outside traffic dropped, this node's
+        // clients get the cluster endpoints through the second set.
+        let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &NodeInfo { name: "n3".into(), ..node() });
+        let np = spec(&t, "192.0.2.10:30080/tcp");
+        assert!(np.backends.is_empty() && np.drop && np.two_scopes);
+        assert_eq!(spec(&t, "192.0.2.10:30080/tcp@this-node").backends, bes(&["10.0.0.1:8080 remote", "10.0.0.2:8080 remote"]));
+        assert!(!spec(&t, "10.96.0.10:80/tcp").two_scopes, "ClusterIPs have one set");
+    }
+
+    #[test]
+    fn external_local_short_circuit_for_every_external_frontend() {
+        let s = LB_SVC.replace("  ports:", "  externalIPs: [198.51.100.7]\n  ports:") + "status: {loadBalancer: {ingress: [{ip: 203.0.113.5}]}}\n";
+        let t = translate(&svc(&s), &[&slice(LOCAL_SLICE)], &node());
+        let names: Vec<String> = t.frontends.iter().map(|(f, _)| f.to_string()).collect();
+        for f in ["198.51.100.7:80/tcp", "203.0.113.5:80/tcp", "192.0.2.10:30080/tcp"] {
+            assert!(names.contains(&format!("{f}@this-node")), "{f}: {names:?}");
+            assert_eq!(backends_of(&t, f), bes(&["10.0.0.1:8080"]));
+            assert_eq!(backends_of(&t, &format!("{f}@this-node")), bes(&["10.0.0.1:8080", "10.0.0.2:8080 remote"]));
+        }
+        // Cluster policy: one set, no second.
+        let t = translate(&svc(&s.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster")), &[&slice(LOCAL_SLICE)], &node());
+        assert!(t.frontends.iter().all(|(f, s)| f.scope == crate::model::Scope::All && !s.two_scopes));
+    }
+
+    #[test]
+    fn external_ips_only_while_allowed() {
+        let s = SVC.replace("  ports:", "  externalIPs: [198.51.100.7]\n  ports:");
+        let has = |n: &NodeInfo| translate(&svc(&s), &[&slice(SLICE)], n).frontends.iter().any(|(f, _)| f.addr.to_string() == "198.51.100.7");
+        assert!(has(&node()));
+        assert!(!has(&NodeInfo { no_external_ips: true, ..node() }));
+    }
+
+    #[test]
+    fn local_redirect_while_a_listener_is_there() {
+        let mut n = node();
+        let rule = LocalRedirect { service: "demo/web".into(), to: "169.254.20.10".parse().unwrap(), listening: BTreeSet::new() };
+        n.local_redirects.push(rule);
+        let t = translate(&svc(SVC), &[&slice(SLICE)], &n);
+        assert_eq!(backends_of(&t, "10.96.0.10:53/udp"), bes(&["10.0.0.1:5353", "10.0.0.2:5353"]), "no listener: the endpoints");
+        n.local_redirects[0].listening.insert((Proto::Udp, 53));
+        let t = translate(&svc(SVC), &[&slice(SLICE)], &n);
+        assert_eq!(backends_of(&t, "10.96.0.10:53/udp"), bes(&["169.254.20.10:53"]));
+        assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080"]), "only the listening protocol and port");
+        n.local_redirects[0].service = "demo/other".into();
+        assert_eq!(backends_of(&translate(&svc(SVC), &[&slice(SLICE)], &n), "10.96.0.10:53/udp").len(), 2, "other Services untouched");
     }
 
     #[test]

@@ -17,9 +17,6 @@ pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-
 pub const PROXY_NAME: &str = "gardenet";
 /// Label linking an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-/// Annotations that turn on topology-aware routing.
-const TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
-const TOPOLOGY_HINTS_OLD: &str = "service.kubernetes.io/topology-aware-hints";
 
 /// Default ClientIP affinity timeout (kube-proxy's: 3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
@@ -54,8 +51,6 @@ pub struct ServiceView {
     pub affinity_timeout: u32,
     pub external_local: bool,
     pub internal_local: bool,
-    /// Topology-aware routing asked for (`topology-mode: Auto`).
-    pub topology: bool,
     pub health_check_node_port: Option<i32>,
 }
 
@@ -105,9 +100,29 @@ pub struct EndpointView {
     pub addr: IpAddr,
     pub ready: bool,
     pub serving: bool,
+    pub terminating: bool,
     pub node: Option<Box<str>>,
-    /// Zone hints; `None` when the endpoint has none.
-    pub zones: Option<Box<[Box<str>]>>,
+    /// Topology hints; `None` when the endpoint has none (most endpoints: one pointer).
+    pub hints: Option<Box<Hints>>,
+}
+
+/// An endpoint's `hints`: zones (`forZones`, written for `trafficDistribution: PreferClose`
+/// / `PreferSameZone` and `topology-mode: Auto`) and nodes (`forNodes`, for
+/// `PreferSameNode`). Empty lists mean "no hint of that kind".
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    pub zones: Box<[Box<str>]>,
+    pub nodes: Box<[Box<str>]>,
+}
+
+impl EndpointView {
+    pub fn zone_hints(&self) -> &[Box<str>] {
+        self.hints.as_ref().map_or(&[], |h| &h.zones)
+    }
+
+    pub fn node_hints(&self) -> &[Box<str>] {
+        self.hints.as_ref().map_or(&[], |h| &h.nodes)
+    }
 }
 
 fn proto(p: Option<&str>) -> Result<Proto, String> {
@@ -231,11 +246,9 @@ impl From<&Service> for ServiceView {
         };
         v.external_local = spec.external_traffic_policy.as_deref() == Some("Local");
         v.internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
-        v.topology = meta
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(TOPOLOGY_MODE).or_else(|| a.get(TOPOLOGY_HINTS_OLD)))
-            .is_some_and(|m| m.eq_ignore_ascii_case("auto"));
+        // Topology (the `topology-mode` annotation, `trafficDistribution`) reaches the proxy
+        // only as EndpointSlice hints, which the EndpointSlice controller writes: as in
+        // kube-proxy since 1.31, the hints alone decide.
         v.health_check_node_port = spec.health_check_node_port;
         for r in spec.load_balancer_source_ranges.iter().flatten() {
             match r.parse::<Cidr>() {
@@ -316,19 +329,21 @@ impl From<&EndpointSlice> for SliceView {
             // nil ready means ready; nil serving means "same as ready".
             let ready = c.and_then(|c| c.ready).unwrap_or(true);
             let serving = c.and_then(|c| c.serving).unwrap_or(ready);
-            let zones: Option<Box<[Box<str>]>> = ep
-                .hints
-                .as_ref()
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|z| z.iter().map(|z| z.name.as_str().into()).collect());
+            let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+            let hints = ep.hints.as_ref().and_then(|h| {
+                let zones: Box<[Box<str>]> = h.for_zones.iter().flatten().map(|z| z.name.as_str().into()).collect();
+                let nodes: Box<[Box<str>]> = h.for_nodes.iter().flatten().map(|n| n.name.as_str().into()).collect();
+                (!zones.is_empty() || !nodes.is_empty()).then(|| Box::new(Hints { zones, nodes }))
+            });
             for a in &ep.addresses {
                 match a.parse::<IpAddr>() {
                     Ok(addr) if addr.is_ipv4() == v4 => v.endpoints.push(EndpointView {
                         addr,
                         ready,
                         serving,
+                        terminating,
                         node: ep.node_name.as_deref().map(Into::into),
-                        zones: zones.clone(),
+                        hints: hints.clone(),
                     }),
                     _ => v.problems.push(format!("endpoint address {a:?} is not {}", family_name(v4))),
                 }

@@ -67,8 +67,14 @@ pub const PROG_XDP: &str = "gn_xdp";
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
 
-/// Frontend scope: traffic from anywhere.
+/// Frontend scope: traffic from anywhere (the entry every hook looks up first).
 pub const SCOPE_ALL: u8 = 0;
+/// Frontend scope: clients on this node (socket LB), for external frontends of
+/// `externalTrafficPolicy: Local` Services. kube-proxy sends traffic from the node's own pods
+/// and host to an external address of such a Service to the *cluster* endpoints (its
+/// "short-circuit"); only traffic from outside is limited to local endpoints. The `SCOPE_ALL`
+/// master carries `SVC_FLAG_TWO_SCOPES` when this second entry set exists.
+pub const SCOPE_THIS_NODE: u8 = 1;
 
 /// Master-entry flags.
 pub const SVC_FLAG_NONE: u16 = 0;
@@ -79,6 +85,12 @@ pub const SVC_FLAG_SNAT_REMOTE: u16 = 1;
 /// A load-balancer frontend with `loadBalancerSourceRanges`: TC LB admits new flows only
 /// from clients in `GN_SRCRANGE4/6` for it.
 pub const SVC_FLAG_SOURCE_RANGES: u16 = 2;
+/// Socket LB looks the frontend up again with `SCOPE_THIS_NODE` (see there).
+pub const SVC_FLAG_TWO_SCOPES: u16 = 4;
+/// With no backends, drop instead of reject: the Service has endpoints, just none usable
+/// from here (kube-proxy's DROP for "has no local endpoints"; REJECT is kept for "has no
+/// endpoints"). Socket LB fails the call with EHOSTUNREACH instead of ECONNREFUSED.
+pub const SVC_FLAG_DROP: u16 = 8;
 
 /// `Backend4/6::flags`: the endpoint runs on another node.
 pub const BE_FLAG_REMOTE: u8 = 1;
@@ -123,8 +135,10 @@ pub enum Stat {
     TcSourceRangeDrop = 15,
     /// An ICMP error about a translated flow, rewritten for its backend.
     TcIcmpRevNat = 16,
+    /// A frontend whose endpoints are all elsewhere (`SVC_FLAG_DROP`): dropped.
+    TcNoLocalBackendDrop = 17,
 }
-pub const STATS_LEN: u32 = 17;
+pub const STATS_LEN: u32 = 18;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -143,6 +157,7 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_snat_failed",
     "tc_source_range_drop",
     "tc_icmp_revnat",
+    "tc_no_local_backend_drop",
 ];
 
 /// Key of `GN_SVC4`.
@@ -260,7 +275,8 @@ pub struct AffinityMatchKey4 {
     pub addr: u32,
     pub port: u16,
     pub proto: u8,
-    pub _pad: u8,
+    /// The frontend entry set's scope (`SCOPE_*`): a backend may belong to one and not the other.
+    pub scope: u8,
 }
 
 /// An IPv6 address as four 32-bit words, each in network byte order (the layout of
@@ -380,7 +396,7 @@ pub struct AffinityMatchKey6 {
     pub addr: Ip6,
     pub port: u16,
     pub proto: u8,
-    pub _pad: u8,
+    pub scope: u8,
 }
 
 // No padding holes: the kernel compares keys bytewise, so an uninitialised hole would make
@@ -443,6 +459,10 @@ impl ServiceKey4 {
     pub const fn with_slot(self, slot: u16) -> Self {
         ServiceKey4 { slot, ..self }
     }
+
+    pub const fn with_scope(self, scope: u8) -> Self {
+        ServiceKey4 { scope, ..self }
+    }
 }
 
 impl ServiceKey6 {
@@ -453,6 +473,10 @@ impl ServiceKey6 {
 
     pub const fn with_slot(self, slot: u16) -> Self {
         ServiceKey6 { slot, ..self }
+    }
+
+    pub const fn with_scope(self, scope: u8) -> Self {
+        ServiceKey6 { scope, ..self }
     }
 }
 

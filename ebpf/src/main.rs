@@ -84,6 +84,32 @@ fn stat(s: Stat) {
     }
 }
 
+/// The entry set socket LB uses for a frontend: the `SCOPE_THIS_NODE` set when the master
+/// says there is one (external frontends of `externalTrafficPolicy: Local` Services: clients
+/// on this node get the cluster-wide endpoints, as with kube-proxy), else the master's.
+#[inline(always)]
+fn node_scope4(key: ServiceKey4, master: &'static ServiceValue4) -> (ServiceKey4, &'static ServiceValue4) {
+    if master.flags & SVC_FLAG_TWO_SCOPES != 0 {
+        let k = key.with_scope(SCOPE_THIS_NODE);
+        if let Some(m) = unsafe { GN_SVC4.get(&k) } {
+            return (k, m);
+        }
+    }
+    (key, master)
+}
+
+/// IPv6 twin of `node_scope4`.
+#[inline(always)]
+fn node_scope6(key: ServiceKey6, master: &'static ServiceValue4) -> (ServiceKey6, &'static ServiceValue4) {
+    if master.flags & SVC_FLAG_TWO_SCOPES != 0 {
+        let k = key.with_scope(SCOPE_THIS_NODE);
+        if let Some(m) = unsafe { GN_SVC6.get(&k) } {
+            return (k, m);
+        }
+    }
+    (key, master)
+}
+
 /// Picks a backend of the frontend whose master entry is `master`, uniformly at random.
 /// `None` when the frontend has no backends (the caller rejects) or the table is being
 /// rewritten under us and a slot is missing (should not happen: slots are written first).
@@ -112,7 +138,7 @@ fn select_backend_affine(key: &ServiceKey4, master: &ServiceValue4, client: u64,
     if let Some(a) = GN_AFF4.get_ptr_mut(&akey) {
         let a = unsafe { &mut *a };
         let fresh = now.wrapping_sub(a.last_used_ns) <= master.affinity_timeout as u64 * 1_000_000_000;
-        let mkey = AffinityMatchKey4 { backend_id: a.backend_id, addr: key.addr, port: key.port, proto: key.proto, _pad: 0 };
+        let mkey = AffinityMatchKey4 { backend_id: a.backend_id, addr: key.addr, port: key.port, proto: key.proto, scope: key.scope };
         if fresh && unsafe { GN_AFFMATCH4.get(&mkey) }.is_some() {
             if let Some(be) = unsafe { GN_BE4.get(&a.backend_id) } {
                 a.last_used_ns = now;
@@ -150,7 +176,7 @@ fn select_backend_affine6(key: &ServiceKey6, master: &ServiceValue4, client: Ip6
     if let Some(a) = GN_AFF6.get_ptr_mut(&akey) {
         let a = unsafe { &mut *a };
         let fresh = now.wrapping_sub(a.last_used_ns) <= master.affinity_timeout as u64 * 1_000_000_000;
-        let mkey = AffinityMatchKey6 { backend_id: a.backend_id, addr: key.addr, port: key.port, proto: key.proto, _pad: 0 };
+        let mkey = AffinityMatchKey6 { backend_id: a.backend_id, addr: key.addr, port: key.port, proto: key.proto, scope: key.scope };
         if fresh && unsafe { GN_AFFMATCH6.get(&mkey) }.is_some() {
             if let Some(be) = unsafe { GN_BE6.get(&a.backend_id) } {
                 a.last_used_ns = now;

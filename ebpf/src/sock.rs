@@ -9,12 +9,13 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{select_backend_affine, select_backend_affine6, stat, GN_SK_RNAT4, GN_SK_RNAT6, GN_SVC4, GN_SVC6};
+use crate::{node_scope4, node_scope6, select_backend_affine, select_backend_affine6, stat, GN_SK_RNAT4, GN_SK_RNAT6, GN_SVC4, GN_SVC6};
 
 /// sock_addr programs return 1 to let the call proceed, 0 to fail it.
 const ALLOW: i32 = 1;
 const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+const EHOSTUNREACH: i32 = 113;
 
 #[cgroup_sock_addr(connect4)]
 pub fn gn_connect4(ctx: SockAddrContext) -> i32 {
@@ -38,15 +39,18 @@ pub fn gn_sendmsg4_nr(ctx: SockAddrContext) -> i32 {
     xlate_fwd::<false>(&ctx)
 }
 
-/// Fails the socket call: with ECONNREFUSED where the kernel lets us set the error
-/// (`RETVAL`), with the hook's default EPERM otherwise.
+/// Fails the socket call of a frontend without backends (`flags`: its master's): with
+/// ECONNREFUSED where the kernel lets us set the error (`RETVAL`), or EHOSTUNREACH for a
+/// frontend that drops (`SVC_FLAG_DROP`: endpoints exist, none usable from here); with the
+/// hook's default EPERM otherwise.
 #[inline(always)]
-fn refuse<const RETVAL: bool>() -> i32 {
+fn refuse<const RETVAL: bool>(flags: u16) -> i32 {
     stat(Stat::SockNoBackend);
     if RETVAL {
-        // The error an application expects from a closed port, instead of letting the SYN go
-        // to a VIP that nothing answers (a silent timeout).
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        // The error an application expects from a closed port (or an unreachable one),
+        // instead of letting the SYN go to a VIP that nothing answers (a silent timeout).
+        let err = if flags & SVC_FLAG_DROP != 0 { EHOSTUNREACH } else { ECONNREFUSED };
+        unsafe { bpf_set_retval(-err) };
     }
     REJECT
 }
@@ -77,12 +81,13 @@ fn xlate_fwd<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
     let Some(master) = (unsafe { GN_SVC4.get(&key) }) else {
         return ALLOW;
     };
+    let (key, master) = node_scope4(key, master);
     // Session affinity per pod: the network namespace cookie identifies the client.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some((_, be)) = select_backend_affine(&key, master, netns, AFF_CLIENT_NETNS) else {
         #[cfg(feature = "log")]
         aya_log_ebpf::debug!(ctx, "no backend for {:i}:{}", u32::from_be(vip), u16::from_be(vport));
-        return refuse::<RETVAL>();
+        return refuse::<RETVAL>(master.flags);
     };
     sa.user_ip4 = be.addr;
     sa.user_port = be.port as u32;
@@ -179,10 +184,11 @@ fn xlate_fwd6<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
     let Some(master) = (unsafe { GN_SVC6.get(&key) }) else {
         return ALLOW;
     };
+    let (key, master) = node_scope6(key, master);
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let client = [netns as u32, (netns >> 32) as u32, 0, 0];
     let Some((_, be)) = select_backend_affine6(&key, master, client, AFF_CLIENT_NETNS) else {
-        return refuse::<RETVAL>();
+        return refuse::<RETVAL>(master.flags);
     };
     store_ip6(sa, &be.addr);
     sa.user_port = be.port as u32;
@@ -211,9 +217,10 @@ fn xlate_fwd_mapped<const RETVAL: bool>(ctx: &SockAddrContext, sa: &mut aya_ebpf
     let Some(master) = (unsafe { GN_SVC4.get(&key) }) else {
         return ALLOW;
     };
+    let (key, master) = node_scope4(key, master);
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let Some((_, be)) = select_backend_affine(&key, master, netns, AFF_CLIENT_NETNS) else {
-        return refuse::<RETVAL>();
+        return refuse::<RETVAL>(master.flags);
     };
     unsafe { core::ptr::write_volatile(&mut sa.user_ip6[3], be.addr) };
     sa.user_port = be.port as u32;

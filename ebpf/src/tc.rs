@@ -210,6 +210,11 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     }
     let Some((_, be)) = select_backend_affine(&skey, master, f.saddr as u64, AFF_CLIENT_ADDR) else {
         if master.count == 0 {
+            if master.flags & SVC_FLAG_DROP != 0 {
+                // Endpoints exist, none for traffic arriving here: drop, as kube-proxy does.
+                stat(Stat::TcNoLocalBackendDrop);
+                return Some(DROP);
+            }
             return Some(reject(ctx, f));
         }
         stat(Stat::TcMissingBackend);
@@ -860,6 +865,11 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     }
     let Some((_, be)) = select_backend_affine6(&skey, master, f.saddr, AFF_CLIENT_ADDR) else {
         if master.count == 0 {
+            if master.flags & SVC_FLAG_DROP != 0 {
+                // Endpoints exist, none for traffic arriving here: drop, as kube-proxy does.
+                stat(Stat::TcNoLocalBackendDrop);
+                return Some(DROP);
+            }
             return Some(reject6(ctx, f));
         }
         stat(Stat::TcMissingBackend);

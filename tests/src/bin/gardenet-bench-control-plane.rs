@@ -249,9 +249,9 @@ fn slice(i: usize, eps: &[u32], udp: bool, rv: u64) -> EndpointSlice {
 /// on `node-{ip % 100}`; the agent is `node-000`, so the others are remote).
 fn expected(i: usize, eps: &[u32], udp: bool) -> Vec<(Frontend, BTreeSet<Backend>)> {
     let be = |ip: &u32, port| Backend { remote: !ip.is_multiple_of(100), ..Backend::new(Ipv4Addr::from(*ip).into(), port) };
-    let mut out = vec![(Frontend { addr: vip(i).into(), port: PORT_TCP, proto: Proto::Tcp }, eps.iter().map(|ip| be(ip, TARGET_TCP)).collect())];
+    let mut out = vec![(Frontend::new(vip(i).into(), PORT_TCP, Proto::Tcp), eps.iter().map(|ip| be(ip, TARGET_TCP)).collect())];
     if udp {
-        out.push((Frontend { addr: vip(i).into(), port: PORT_UDP, proto: Proto::Udp }, eps.iter().map(|ip| be(ip, TARGET_UDP)).collect()));
+        out.push((Frontend::new(vip(i).into(), PORT_UDP, Proto::Udp), eps.iter().map(|ip| be(ip, TARGET_UDP)).collect()));
     }
     out
 }
