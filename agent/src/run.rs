@@ -526,11 +526,20 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
         writeln!(out)?;
         return Ok(());
     }
-    writeln!(out, "{:<28} BACKENDS", "FRONTEND")?;
+    writeln!(out, "{:<38} BACKENDS", "FRONTEND")?;
     for f in fes {
         // "*" marks an endpoint on another node.
         let bes: Vec<String> = f.backends.iter().map(|b| if b.remote { format!("{b}*") } else { b.to_string() }).collect();
-        let mut line = if bes.is_empty() { "(none: connections refused)".to_string() } else { bes.join(" ") };
+        // Without backends a frontend rejects (no endpoints at all) or drops (endpoints, none
+        // usable here), as kube-proxy's REJECT and DROP rules.
+        let mut line = match (bes.is_empty(), f.when_empty) {
+            (true, "drop") => "(none here: dropped)".to_string(),
+            (true, _) => "(none: connections refused)".to_string(),
+            (false, _) => bes.join(" "),
+        };
+        if f.two_scopes {
+            line.push_str("  [clients on this node: @this-node]");
+        }
         if f.snat_remote && f.backends.iter().any(|b| b.remote) {
             line.push_str("  [source NAT to * endpoints]");
         }
@@ -541,7 +550,7 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
         if f.affinity_timeout > 0 {
             line.push_str(&format!("  [ClientIP affinity {}s]", f.affinity_timeout));
         }
-        writeln!(out, "{:<28} {}", f.frontend.to_string(), line)?;
+        writeln!(out, "{:<38} {}", f.frontend.to_string(), line)?;
     }
     if let Ok(n) = dataplane::conntrack_entries(bpffs) {
         writeln!(out, "conntrack entries: {n}")?;
