@@ -6,6 +6,7 @@ pub mod gardener;
 pub mod healthcheck;
 pub mod lbmap;
 pub mod links;
+pub mod listeners;
 pub mod model;
 pub mod pinned_link;
 pub mod pipeline;

@@ -95,6 +95,13 @@ struct FeatureLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RedirectLabel {
+    service: String,
+    protocol: &'static str,
+    port: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CounterLabel {
     counter: String,
 }
@@ -114,6 +121,7 @@ pub struct Metrics {
     map_writes: Family<OpLabel, Counter>,
     datapath_packets: Family<CounterLabel, Counter>,
     kernel_features: Family<FeatureLabel, Gauge>,
+    local_redirect_active: Family<RedirectLabel, Gauge>,
     sync_duration: Histogram,
     programming_latency: Histogram,
     /// Interfaces with a `gardenet_interface_attached` series (the family cannot be listed).
@@ -146,6 +154,7 @@ impl Metrics {
             map_writes: Family::default(),
             datapath_packets: Family::default(),
             kernel_features: Family::default(),
+            local_redirect_active: Family::default(),
             // One flush: 100µs .. ~3.3s.
             sync_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             // Event received -> maps written: 1ms .. ~16s (includes batching behind a slow flush).
@@ -194,6 +203,11 @@ impl Metrics {
             "gardenet_kernel_feature",
             "Kernel facilities the datapath uses: 1 present, 0 absent (a fallback is in use)",
             m.kernel_features.clone(),
+        );
+        r.register(
+            "gardenet_local_redirect_active",
+            "1 while a listener is bound on a local-redirect rule's address for the protocol and port",
+            m.local_redirect_active.clone(),
         );
         r.register(
             "gardenet_map_writes",
@@ -280,6 +294,17 @@ impl Metrics {
         for f in features {
             self.kernel_features.get_or_create(&FeatureLabel { feature: f.name.to_owned() }).set(i64::from(f.present));
         }
+    }
+
+    /// `gardenet_local_redirect_active{service,protocol,port}` (see `crate::listeners`).
+    pub fn set_local_redirect(&self, service: &str, proto: crate::model::Proto, port: u16, active: bool) {
+        let protocol = match proto {
+            crate::model::Proto::Tcp => "tcp",
+            crate::model::Proto::Udp => "udp",
+        };
+        self.local_redirect_active
+            .get_or_create(&RedirectLabel { service: service.to_owned(), protocol, port: port.to_string() })
+            .set(i64::from(active));
     }
 
     pub fn set_conntrack_entries(&self, entries: usize) {
@@ -384,6 +409,9 @@ mod tests {
         m.set_conntrack_entries(9);
         m.set_interface("eth0", true);
         m.set_interface("eth1", false);
+        m.set_local_redirect("kube-system/kube-dns", crate::model::Proto::Udp, 53, true);
+        m.set_local_redirect("kube-system/kube-dns", crate::model::Proto::Tcp, 53, true);
+        m.set_local_redirect("kube-system/kube-dns", crate::model::Proto::Tcp, 53, false);
         m.error(ErrorKind::Attach);
         let text = m.encode();
         for line in [
@@ -395,6 +423,8 @@ mod tests {
             "gardenet_conntrack_entries 9",
             "gardenet_interface_attached{interface=\"eth0\"} 1",
             "gardenet_interface_attached{interface=\"eth1\"} 0",
+            "gardenet_local_redirect_active{service=\"kube-system/kube-dns\",protocol=\"udp\",port=\"53\"} 1",
+            "gardenet_local_redirect_active{service=\"kube-system/kube-dns\",protocol=\"tcp\",port=\"53\"} 0",
             "gardenet_errors_total{kind=\"map_full\"} 1",
             "gardenet_errors_total{kind=\"attach\"} 1",
             "gardenet_map_writes_total{op=\"put\"} 5",

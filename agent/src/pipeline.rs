@@ -4,11 +4,13 @@
 //! EndpointSlice change costs map writes proportional to its own endpoints.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    net::IpAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use crate::{
+    gardener::config::NodePortAddress,
     lbmap::{LbMaps, LbState, MapError, Writes},
     model::{Backend, Frontend, Proto},
     source::SourceEvent,
@@ -45,6 +47,8 @@ pub struct Pipeline<M: LbMaps> {
     maps: M,
     lb: LbState,
     node: NodeInfo,
+    /// Which of the Node's addresses serve NodePorts (NetworkConfig `nodePortAddresses`).
+    node_port_addresses: Vec<NodePortAddress>,
     services: HashMap<String, Arc<ServiceView>>,
     slices: HashMap<String, Arc<SliceView>>,
     slices_by_svc: HashMap<String, BTreeSet<String>>,
@@ -71,6 +75,7 @@ impl<M: LbMaps> Pipeline<M> {
             maps,
             lb,
             node,
+            node_port_addresses: vec![NodePortAddress::Primary],
             services: HashMap::new(),
             slices: HashMap::new(),
             slices_by_svc: HashMap::new(),
@@ -85,6 +90,18 @@ impl<M: LbMaps> Pipeline<M> {
             applied_slices: BTreeMap::new(),
             stats: PipelineStats::default(),
         }
+    }
+
+    /// Which of the Node's addresses NodePorts are served on (default `[primary]`); applies
+    /// from the next `NodeApplied`.
+    pub fn with_node_port_addresses(mut self, select: Vec<NodePortAddress>) -> Self {
+        self.node_port_addresses = select;
+        self
+    }
+
+    /// What translation currently knows about this node.
+    pub fn node(&self) -> &NodeInfo {
+        &self.node
     }
 
     pub fn is_synced(&self) -> bool {
@@ -145,10 +162,24 @@ impl<M: LbMaps> Pipeline<M> {
                 self.remove_slice(&k);
             }
             SourceEvent::NodeApplied(n) => {
-                let node = node_info(&n);
+                // Only addresses and zone come from the Node; the rest is the agent's.
+                let node = node_info(&n, &self.node_port_addresses);
                 if node.addresses != self.node.addresses || node.zone != self.node.zone {
-                    self.node = NodeInfo { name: self.node.name.clone(), no_source_nat: self.node.no_source_nat, ..node };
+                    self.node.addresses = node.addresses;
+                    self.node.zone = node.zone;
                     self.dirty.extend(self.services.keys().cloned());
+                }
+            }
+            SourceEvent::LocalRedirectChanged(r) => {
+                let svc = r.service.clone();
+                match self.node.local_redirects.iter_mut().find(|o| o.service == r.service) {
+                    Some(o) if *o == r => return,
+                    Some(o) => *o = r,
+                    None => self.node.local_redirects.push(r),
+                }
+                // A Service that is not there yet is translated with the new rule on arrival.
+                if self.services.contains_key(&svc) {
+                    self.dirty.insert(svc);
                 }
             }
             SourceEvent::Resync => self.resync = Some(Default::default()),
@@ -362,16 +393,44 @@ impl<M: LbMaps> Pipeline<M> {
     }
 }
 
-/// Node addresses (InternalIP and ExternalIP, IPv4 and IPv6) and zone label.
-pub fn node_info(n: &k8s_openapi::api::core::v1::Node) -> NodeInfo {
+/// This node's NodePort addresses and zone label, from its Node object. `select` is the
+/// NetworkConfig's `nodePortAddresses` (kube-proxy's `--nodeport-addresses`): `primary` takes
+/// the first `InternalIP` of each family in `status.addresses` (the first `ExternalIP` of a
+/// family without one), a CIDR every `InternalIP`/`ExternalIP` inside it. Loopback
+/// addresses are never taken, whatever a CIDR covers (a NodePort on 127.0.0.1 exposes it to
+/// every local process and through route_localnet). Addresses keep the Node's order.
+pub fn node_info(n: &k8s_openapi::api::core::v1::Node, select: &[NodePortAddress]) -> NodeInfo {
+    let listed: Vec<(bool, IpAddr)> = n
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|a| {
+            let internal = match a.type_.as_str() {
+                "InternalIP" => true,
+                "ExternalIP" => false,
+                _ => return None,
+            };
+            let ip: IpAddr = a.address.parse().ok()?;
+            (!ip.is_loopback()).then_some((internal, ip))
+        })
+        .collect();
+    let primary = |v4: bool| {
+        let of_family = || listed.iter().filter(move |(_, ip)| ip.is_ipv4() == v4);
+        of_family().find(|(internal, _)| *internal).or_else(|| of_family().next()).map(|(_, ip)| *ip)
+    };
+    let mut chosen: BTreeSet<IpAddr> = BTreeSet::new();
+    for sel in select {
+        match sel {
+            NodePortAddress::Primary => chosen.extend([primary(true), primary(false)].into_iter().flatten()),
+            cidr => chosen.extend(listed.iter().map(|(_, ip)| *ip).filter(|ip| cidr.cidr_contains(*ip))),
+        }
+    }
     let mut addresses = Vec::new();
-    for a in n.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten() {
-        if matches!(a.type_.as_str(), "InternalIP" | "ExternalIP") {
-            if let Ok(ip) = a.address.parse() {
-                if !addresses.contains(&ip) {
-                    addresses.push(ip);
-                }
-            }
+    for (_, ip) in &listed {
+        if chosen.contains(ip) && !addresses.contains(ip) {
+            addresses.push(*ip);
         }
     }
     let zone = n.metadata.labels.as_ref().and_then(|l| l.get("topology.kubernetes.io/zone")).cloned();
@@ -381,7 +440,7 @@ pub fn node_info(n: &k8s_openapi::api::core::v1::Node) -> NodeInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{lbmap::MemMaps, translate::{tests::{slice, svc}, ProblemObject}};
+    use crate::{lbmap::MemMaps, translate::{tests::{slice, svc}, LocalRedirect, ProblemObject}};
 
     fn web(ip: &str, name: &str) -> ServiceView {
         svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"))
@@ -604,5 +663,98 @@ mod tests {
         assert!(r.problems.iter().any(|pr| pr.kind == ProblemKind::MapFull && pr.message.contains("full")), "{:?}", r.problems);
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080", "10.0.0.2:8080"]);
         assert_eq!(p.stats.map_errors, 1);
+    }
+
+    fn node(addresses: &str) -> k8s_openapi::api::core::v1::Node {
+        serde_yaml::from_str(&format!("metadata: {{name: n1, labels: {{topology.kubernetes.io/zone: z1}}}}\nstatus: {{addresses: [{addresses}]}}")).unwrap()
+    }
+    fn select(s: &[&str]) -> Vec<NodePortAddress> {
+        s.iter().map(|a| a.parse().unwrap()).collect()
+    }
+    fn addrs(n: &NodeInfo) -> Vec<String> {
+        n.addresses.iter().map(|a| a.to_string()).collect()
+    }
+    const MIXED: &str = "{type: Hostname, address: n1}, {type: ExternalIP, address: 203.0.113.7}, {type: InternalIP, address: 10.250.0.5}, \
+        {type: InternalIP, address: 10.250.0.6}, {type: ExternalIP, address: \"2001:db8::7\"}, {type: InternalIP, address: \"fd00::5\"}, \
+        {type: InternalIP, address: \"fd00::6\"}";
+
+    #[test]
+    fn primary_is_the_first_internal_ip_of_each_family() {
+        let n = node_info(&node(MIXED), &select(&["primary"]));
+        assert_eq!(addrs(&n), ["10.250.0.5", "fd00::5"]);
+        assert_eq!((n.name.as_str(), n.zone.as_deref()), ("n1", Some("z1")));
+    }
+
+    #[test]
+    fn primary_falls_back_to_the_first_external_ip_of_a_family_without_internal_ones() {
+        let n = node(
+            "{type: ExternalIP, address: 203.0.113.7}, {type: ExternalIP, address: 203.0.113.8}, {type: ExternalIP, address: \"2001:db8::7\"}, {type: InternalIP, address: \"fd00::5\"}",
+        );
+        assert_eq!(addrs(&node_info(&n, &select(&["primary"]))), ["203.0.113.7", "fd00::5"]);
+        // A single-stack node has one primary address.
+        assert_eq!(addrs(&node_info(&node("{type: InternalIP, address: 10.250.0.5}"), &select(&["primary"]))), ["10.250.0.5"]);
+    }
+
+    #[test]
+    fn a_cidr_takes_every_internal_and_external_ip_inside_it() {
+        assert_eq!(addrs(&node_info(&node(MIXED), &select(&["10.250.0.0/16"]))), ["10.250.0.5", "10.250.0.6"]);
+        assert_eq!(addrs(&node_info(&node(MIXED), &select(&["0.0.0.0/0"]))), ["203.0.113.7", "10.250.0.5", "10.250.0.6"]);
+        assert_eq!(addrs(&node_info(&node(MIXED), &select(&["::/0"]))), ["2001:db8::7", "fd00::5", "fd00::6"]);
+        assert!(node_info(&node(MIXED), &select(&["192.168.0.0/16"])).addresses.is_empty());
+    }
+
+    #[test]
+    fn primary_and_cidrs_combine_in_node_order_without_duplicates() {
+        let n = node_info(&node(MIXED), &select(&["fd00::/64", "primary", "10.250.0.5/32"]));
+        assert_eq!(addrs(&n), ["10.250.0.5", "fd00::5", "fd00::6"]);
+    }
+
+    #[test]
+    fn loopback_is_never_a_node_port_address() {
+        let n = node("{type: InternalIP, address: 127.0.0.1}, {type: InternalIP, address: 10.250.0.5}, {type: ExternalIP, address: \"::1\"}, {type: InternalIP, address: 127.0.1.1}");
+        assert_eq!(addrs(&node_info(&n, &select(&["0.0.0.0/0", "::/0"]))), ["10.250.0.5"]);
+        // Not even as the primary one.
+        assert_eq!(addrs(&node_info(&n, &select(&["primary"]))), ["10.250.0.5"]);
+        assert!(node_info(&n, &select(&["127.0.0.0/8"])).addresses.is_empty());
+    }
+
+    #[test]
+    fn node_updates_keep_the_agents_own_settings() {
+        let rule = LocalRedirect { service: "kube-system/kube-dns".into(), to: "169.254.20.10".parse().unwrap(), listening: BTreeSet::new() };
+        let info = NodeInfo { name: "n1".into(), no_source_nat: true, no_external_ips: true, local_redirects: vec![rule.clone()], ..Default::default() };
+        let mut p = Pipeline::new(MemMaps::checked(), LbState::new(), info).with_node_port_addresses(select(&["10.250.0.0/16"]));
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        p.handle(SourceEvent::NodeApplied(Arc::new(node(MIXED))));
+        assert_eq!(p.flush().services, 1, "new addresses: every Service again");
+        let n = p.node();
+        assert_eq!(addrs(n), ["10.250.0.5", "10.250.0.6"]);
+        assert!(n.no_source_nat && n.no_external_ips);
+        assert_eq!(n.local_redirects, [rule]);
+        p.handle(SourceEvent::NodeApplied(Arc::new(node(MIXED))));
+        assert_eq!(p.flush().services, 0, "same addresses: nothing to do");
+    }
+
+    #[test]
+    fn a_listener_change_translates_only_the_redirected_service_again() {
+        let dns = |listening: &[(Proto, u16)]| LocalRedirect { service: "d/dns".into(), to: "169.254.20.10".parse().unwrap(), listening: listening.iter().copied().collect() };
+        let info = NodeInfo { local_redirects: vec![dns(&[])], ..Default::default() };
+        let mut p = Pipeline::new(MemMaps::checked(), LbState::new(), info);
+        for name in ["dns", "web"] {
+            p.handle(SourceEvent::ServiceApplied(Arc::new(web(if name == "dns" { "10.96.0.10" } else { "10.96.0.1" }, name))));
+        }
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        p.handle(SourceEvent::LocalRedirectChanged(dns(&[(Proto::Udp, 53)])));
+        assert_eq!(p.flush().services, 1);
+        assert_eq!(p.node().local_redirects, [dns(&[(Proto::Udp, 53)])]);
+        p.handle(SourceEvent::LocalRedirectChanged(dns(&[(Proto::Udp, 53)])));
+        assert_eq!(p.flush().services, 0, "unchanged");
+        // A rule for a Service that does not exist (yet) is kept for its arrival.
+        let other = LocalRedirect { service: "d/later".into(), to: "169.254.20.11".parse().unwrap(), listening: [(Proto::Tcp, 80)].into() };
+        p.handle(SourceEvent::LocalRedirectChanged(other.clone()));
+        assert_eq!(p.flush().services, 0);
+        assert_eq!(p.node().local_redirects, [dns(&[(Proto::Udp, 53)]), other]);
     }
 }

@@ -12,11 +12,15 @@ use tokio::sync::mpsc;
 
 use crate::{
     dataplane::{self, Dataplane, MapSizes},
-    gardener::capability::{self, LinuxHost, Requirements},
+    gardener::{
+        capability::{self, LinuxHost, Requirements},
+        config::{LocalRedirectRule, NetworkConfig, NodePortAddress},
+    },
     health::AgentState,
     metrics::{ErrorKind, Metrics},
     status,
     lbmap::LbState,
+    listeners::ListenerWatch,
     pipeline::Pipeline,
     source::{self, SourceEvent},
     translate::NodeInfo,
@@ -85,6 +89,19 @@ pub struct RunArgs {
     /// How often `dir:` sources look for changes, in milliseconds.
     #[arg(long, default_value_t = 300)]
     pub poll_ms: u64,
+    /// Node addresses NodePorts are served on: `primary` (the first InternalIP of each family)
+    /// and/or CIDRs of the Node's addresses, comma-separated; replaces the NetworkConfig's
+    /// `nodePortAddresses` (default `primary`).
+    #[arg(long, value_name = "primary|CIDR", value_delimiter = ',')]
+    pub node_port_addresses: Vec<NodePortAddress>,
+    /// Ignore Services' `spec.externalIPs` (NetworkConfig `externalIPs.enabled: false`).
+    #[arg(long)]
+    pub no_external_ips: bool,
+    /// Send the ClusterIP traffic of Service NAMESPACE/NAME to a listener on ADDRESS on this
+    /// node (same port) while one is bound there (repeatable); replaces the NetworkConfig's
+    /// `localRedirects` and `nodeLocalDNS`.
+    #[arg(long = "local-redirect", value_name = "NAMESPACE/NAME=ADDRESS")]
+    pub local_redirects: Vec<LocalRedirectRule>,
     /// Map sizes (entries); default from the NetworkConfig.
     #[arg(long)]
     pub map_services: Option<u32>,
@@ -116,6 +133,27 @@ fn note_node(state: &AgentState, ev: &SourceEvent) {
 /// The state directory for a bpffs directory.
 pub fn default_state_dir(bpffs: &Path) -> PathBuf {
     PathBuf::from("/run/gardenet").join(bpffs.file_name().unwrap_or_default())
+}
+
+/// What the agent tells translation about this node besides the Node object: NodePort
+/// address selection, the externalIPs switch and the local-redirect rules. Flags win over
+/// the NetworkConfig.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeSettings {
+    pub node_port_addresses: Vec<NodePortAddress>,
+    pub no_external_ips: bool,
+    pub local_redirects: Vec<LocalRedirectRule>,
+}
+
+pub fn node_settings(args: &RunArgs, config: &NetworkConfig) -> Result<NodeSettings> {
+    let node_port_addresses = if args.node_port_addresses.is_empty() { config.node_port_addresses.clone() } else { args.node_port_addresses.clone() };
+    let local_redirects = if args.local_redirects.is_empty() { config.local_redirect_rules() } else { args.local_redirects.clone() };
+    for (i, r) in local_redirects.iter().enumerate() {
+        if let Some(o) = local_redirects[..i].iter().find(|o| o.service == r.service) {
+            bail!("--local-redirect: {} is redirected twice ({} and {})", r.service, o.address, r.address);
+        }
+    }
+    Ok(NodeSettings { node_port_addresses, no_external_ips: args.no_external_ips || !config.external_ips.enabled, local_redirects })
 }
 
 pub fn load_config(path: Option<&Path>) -> Result<crate::gardener::config::NetworkConfig> {
@@ -216,10 +254,32 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // Source NAT for remote endpoints asks the FIB for the node's source address
     // (BPF_FIB_LOOKUP_SRC); without it external traffic is only DNATed (the start log said so).
     let no_source_nat = !dp.features.fib_lookup_src;
-    let node = NodeInfo { name: args.node_name.clone(), no_source_nat, ..Default::default() };
-    let mut pipeline = Pipeline::new(maps, lb, node);
+    let settings = node_settings(&args, &config)?;
+    let npa: Vec<String> = settings.node_port_addresses.iter().map(|a| a.to_string()).collect();
+    tracing::info!("NodePorts on the node addresses selected by {}", npa.join(","));
+    if settings.no_external_ips {
+        tracing::info!("externalIPs of Services are ignored");
+    }
+    // Local redirects start from what listens now, so the first sync already uses them.
+    let mut listeners = ListenerWatch::new(&settings.local_redirects);
+    for r in listeners.redirects() {
+        tracing::info!("local redirect {}: ClusterIP traffic goes to {} while something listens there", r.service, r.to);
+    }
+    for c in listeners.poll() {
+        crate::listeners::report(&metrics, &c);
+    }
+    let node = NodeInfo {
+        name: args.node_name.clone(),
+        no_source_nat,
+        no_external_ips: settings.no_external_ips,
+        local_redirects: listeners.redirects().to_vec(),
+        ..Default::default()
+    };
+    let mut pipeline = Pipeline::new(maps, lb, node).with_node_port_addresses(settings.node_port_addresses.clone());
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
+    // Polls the socket tables while there are rules; ends with the sources.
+    let listener_task = tokio::spawn(crate::listeners::run(listeners, tx.downgrade(), metrics.clone()));
     let mut reporting = None;
     let mut problem_events: Option<crate::events::ProblemEvents> = None;
     let src = match args.source.clone() {
@@ -356,6 +416,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
     }
     src.abort();
+    listener_task.abort();
     let _ = std::fs::remove_file(state_dir.join("links.json"));
     let dp = mgr.attacher_mut();
     if let Ok(stats) = dp.stats() {
@@ -561,6 +622,48 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    /// `gardenet-agent run`'s flags as main.rs declares them (args_override_self).
+    #[derive(Parser)]
+    #[command(args_override_self = true)]
+    struct Run {
+        #[command(flatten)]
+        args: RunArgs,
+    }
+
+    fn run_args(flags: &[&str]) -> RunArgs {
+        Run::try_parse_from(["run"].iter().chain(flags)).unwrap_or_else(|e| panic!("{flags:?}: {e}")).args
+    }
+
+    #[test]
+    fn node_settings_come_from_the_config_and_flags_win() {
+        let config = NetworkConfig::from_yaml_str(
+            "apiVersion: gardenet.networking.extensions.gardener.cloud/v1alpha1\nkind: NetworkConfig\n\
+             nodePortAddresses: [10.250.0.0/16]\nexternalIPs: {enabled: false}\nnodeLocalDNS: {enabled: true}\n",
+        )
+        .unwrap();
+        let s = node_settings(&run_args(&[]), &config).unwrap();
+        assert_eq!(s.node_port_addresses, ["10.250.0.0/16".parse().unwrap()]);
+        assert!(s.no_external_ips);
+        assert_eq!(s.local_redirects, ["kube-system/kube-dns=169.254.20.10".parse().unwrap()]);
+
+        let s = node_settings(&run_args(&[]), &NetworkConfig::default()).unwrap();
+        assert_eq!(s, NodeSettings { node_port_addresses: vec![NodePortAddress::Primary], no_external_ips: false, local_redirects: vec![] });
+
+        let a = run_args(&["--node-port-addresses", "primary,192.168.0.0/16", "--no-external-ips", "--local-redirect", "a/dns=169.254.0.53", "--local-redirect", "b/otel=fd00::10"]);
+        let s = node_settings(&a, &config).unwrap();
+        assert_eq!(s.node_port_addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>(), ["primary", "192.168.0.0/16"]);
+        assert!(s.no_external_ips);
+        let r: Vec<String> = s.local_redirects.iter().map(|r| format!("{}={}", r.service, r.address)).collect();
+        assert_eq!(r, ["a/dns=169.254.0.53", "b/otel=fd00::10"], "repeatable; replaces the config's rules");
+
+        let a = run_args(&["--local-redirect", "a/dns=169.254.0.53", "--local-redirect", "a/dns=169.254.0.54"]);
+        assert!(node_settings(&a, &config).is_err());
+        for bad in [&["--node-port-addresses", "10.0.0.1"][..], &["--node-port-addresses", "nonsense/8"], &["--local-redirect", "dns=169.254.0.53"], &["--local-redirect", "a/dns"]] {
+            assert!(Run::try_parse_from(["run"].iter().chain(bad)).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn nodes_on_their_way_out_are_not_eligible() {

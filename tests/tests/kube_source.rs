@@ -140,6 +140,7 @@ fn describe(event: &SourceEvent) -> String {
         SourceEvent::NodeApplied(o) => format!("+node {}", id(&o.metadata)),
         SourceEvent::Resync => "resync".into(),
         SourceEvent::Synced => "synced".into(),
+        SourceEvent::LocalRedirectChanged(r) => format!("redirect {}", r.service),
     }
 }
 

@@ -16,15 +16,20 @@
 //! xdp: {mode: "off"}
 //! sessionAffinity: {defaultTimeoutSeconds: 10800}
 //! mapSizes: {services: 262144, backends: 131072, sockRevNat: 262144, conntrack: 262144}
+//! externalIPs: {enabled: true}
+//! nodePortAddresses: [primary]
+//! localRedirects: []          # e.g. [{service: kube-system/kube-dns, address: 169.254.20.10}]
+//! nodeLocalDNS: {enabled: false, address: 169.254.20.10, service: kube-system/kube-dns}
 //! ```
 
-use std::fmt;
+use std::{fmt, net::IpAddr, str::FromStr};
 
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::network::Network;
 use super::{NETWORK_TYPE, PROVIDER_API_VERSION};
+use crate::model::Cidr;
 
 /// `kind` of gardenet's provider config.
 pub const KIND: &str = "NetworkConfig";
@@ -108,6 +113,20 @@ pub struct NetworkConfig {
     pub session_affinity: SessionAffinity,
     #[serde(default)]
     pub map_sizes: MapSizes,
+    /// Whether `spec.externalIPs` of Services are routed.
+    #[serde(default, rename = "externalIPs")]
+    pub external_ips: ExternalIps,
+    /// Which node addresses NodePorts are served on (kube-proxy's `--nodeport-addresses`).
+    /// Default `[primary]`; never loopback.
+    #[serde(default = "default_node_port_addresses")]
+    pub node_port_addresses: Vec<NodePortAddress>,
+    /// Services whose ClusterIP traffic goes to a listener on the node while it is there.
+    #[serde(default)]
+    pub local_redirects: Vec<LocalRedirectRule>,
+    /// Gardener's node-local DNS: when enabled, adds the local redirect of `service` to
+    /// `address`.
+    #[serde(default, rename = "nodeLocalDNS")]
+    pub node_local_dns: NodeLocalDns,
     /// Where the agents reach the shoot's API server while the `kubernetes` Service is not
     /// routed yet (kube-proxy disabled). Read by `gardenet-extension`, which otherwise takes
     /// it from the Shoot's advertised addresses; the agent itself ignores it.
@@ -139,6 +158,10 @@ impl Default for NetworkConfig {
             xdp: Xdp::default(),
             session_affinity: SessionAffinity::default(),
             map_sizes: MapSizes::default(),
+            external_ips: ExternalIps::default(),
+            node_port_addresses: default_node_port_addresses(),
+            local_redirects: Vec::new(),
+            node_local_dns: NodeLocalDns::default(),
             api_server: None,
         }
     }
@@ -419,6 +442,175 @@ fn default_conntrack() -> u32 {
     gardenet_common::DEFAULT_CT_MAX
 }
 
+/// `externalIPs`: Kubernetes deprecates `spec.externalIPs` (any user who may create a Service
+/// can claim any address with them, CVE-2020-8554); operators may turn them off.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExternalIps {
+    /// Default `true`. `false`: `spec.externalIPs` are ignored.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+}
+
+impl Default for ExternalIps {
+    fn default() -> Self {
+        Self { enabled: true }
+    }
+}
+
+/// One entry of `nodePortAddresses`, as kube-proxy's `--nodeport-addresses`: `primary`, the
+/// node's primary addresses (the first `InternalIP` of each family in the Node's
+/// `status.addresses`, or the first `ExternalIP` of a family without one), or a CIDR, every
+/// `InternalIP`/`ExternalIP` of the Node inside it. Loopback addresses are never used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodePortAddress {
+    Primary,
+    Cidr(Cidr),
+}
+
+impl NodePortAddress {
+    /// Whether `ip` is inside this CIDR (`primary` contains nothing by itself: it needs the
+    /// Node's address list).
+    pub fn cidr_contains(&self, ip: IpAddr) -> bool {
+        match self {
+            Self::Primary => false,
+            Self::Cidr(c) => Cidr::new(ip, c.len).is_some_and(|n| n == *c),
+        }
+    }
+}
+
+impl fmt::Display for NodePortAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Primary => f.write_str("primary"),
+            Self::Cidr(c) => write!(f, "{c}"),
+        }
+    }
+}
+
+impl FromStr for NodePortAddress {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "primary" {
+            return Ok(Self::Primary);
+        }
+        if !s.contains('/') {
+            return Err(format!("{s:?} is neither \"primary\" nor a CIDR (ADDRESS/LENGTH)"));
+        }
+        s.parse::<Cidr>().map(Self::Cidr)
+    }
+}
+
+impl Serialize for NodePortAddress {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for NodePortAddress {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(de::Error::custom)
+    }
+}
+
+fn default_node_port_addresses() -> Vec<NodePortAddress> {
+    vec![NodePortAddress::Primary]
+}
+
+/// One `localRedirects` entry: ClusterIP traffic of `service` goes to a listener on this node
+/// at `address` (same port), for each protocol and port something listens on there; the
+/// Service's endpoints otherwise.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LocalRedirectRule {
+    /// `namespace/name` of the Service.
+    pub service: String,
+    /// The local listener's address, IPv4 or IPv6 (not loopback, unspecified or multicast).
+    pub address: IpAddr,
+}
+
+impl LocalRedirectRule {
+    /// Checks `service` and `address`; errors name the field within the rule.
+    fn check(&self) -> Result<(), ConfigError> {
+        check_service_name(&self.service).map_err(|m| ConfigError::new("service", m))?;
+        let a = self.address;
+        if a.is_unspecified() || a.is_loopback() || a.is_multicast() {
+            return Err(ConfigError::new(
+                "address",
+                format!("is {a}, expected a unicast address of the node (a loopback address would be each pod's own)"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `SERVICE=ADDRESS`, as `--local-redirect` takes it.
+impl FromStr for LocalRedirectRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (service, address) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAMESPACE/NAME=ADDRESS"))?;
+        let rule = LocalRedirectRule {
+            service: service.to_owned(),
+            address: address.parse().map_err(|_| format!("{s:?}: {address:?} is not an IP address"))?,
+        };
+        rule.check().map_err(|e| format!("{s:?}: {} {}", e.field, e.message))?;
+        Ok(rule)
+    }
+}
+
+/// `namespace/name`, both DNS labels (lower-case alphanumerics and `-`, at most 63).
+fn check_service_name(s: &str) -> Result<(), String> {
+    let label = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    match s.split_once('/') {
+        Some((ns, name)) if label(ns) && label(name) => Ok(()),
+        _ => Err(format!("is {s:?}, expected NAMESPACE/NAME of a Service")),
+    }
+}
+
+/// `nodeLocalDNS`: Gardener's node-local DNS cache listens on a link-local address on every
+/// node; with this enabled, cluster DNS traffic goes there while it listens (a local
+/// redirect of `service` to `address`), and to the DNS Service's pods otherwise.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeLocalDns {
+    /// Default `false`.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Default `169.254.20.10`.
+    #[serde(default = "default_node_local_dns_address")]
+    pub address: IpAddr,
+    /// Default `kube-system/kube-dns`.
+    #[serde(default = "default_node_local_dns_service")]
+    pub service: String,
+}
+
+impl Default for NodeLocalDns {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            address: default_node_local_dns_address(),
+            service: default_node_local_dns_service(),
+        }
+    }
+}
+
+/// Gardener's (and the upstream node-local-dns addon's) listen address.
+pub const NODE_LOCAL_DNS_ADDRESS: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(169, 254, 20, 10));
+
+fn default_node_local_dns_address() -> IpAddr {
+    NODE_LOCAL_DNS_ADDRESS
+}
+
+fn default_node_local_dns_service() -> String {
+    "kube-system/kube-dns".to_owned()
+}
+
 impl NetworkConfig {
     /// Parses and validates a NetworkConfig document (a file, or a ConfigMap value).
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
@@ -508,7 +700,46 @@ impl NetworkConfig {
                 format!("is {t}, must be between 1 and {MAX_AFFINITY_TIMEOUT_SECONDS}"),
             ));
         }
+        if self.node_port_addresses.is_empty() {
+            return Err(ConfigError::new(
+                "nodePortAddresses",
+                "is empty; list \"primary\" or CIDRs (\"0.0.0.0/0\" and \"::/0\" for every node address)",
+            ));
+        }
+        let mut seen: Vec<&LocalRedirectRule> = Vec::new();
+        for (i, r) in self.local_redirects.iter().enumerate() {
+            r.check().map_err(|e| e.within(&format!("localRedirects[{i}]")))?;
+            if let Some(o) = seen.iter().find(|o| o.service == r.service) {
+                return Err(ConfigError::new(
+                    format!("localRedirects[{i}].service"),
+                    format!("{} is already redirected to {}", r.service, o.address),
+                ));
+            }
+            seen.push(r);
+        }
+        let dns = &self.node_local_dns;
+        let dns_rule = LocalRedirectRule { service: dns.service.clone(), address: dns.address };
+        dns_rule.check().map_err(|e| e.within("nodeLocalDNS"))?;
+        if dns.enabled {
+            if let Some(o) = seen.iter().find(|o| o.service == dns.service && o.address != dns.address) {
+                return Err(ConfigError::new(
+                    "nodeLocalDNS.address",
+                    format!("is {}, but localRedirects sends {} to {}", dns.address, o.service, o.address),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The local-redirect rules in effect: `localRedirects`, plus `nodeLocalDNS`'s when it is
+    /// enabled (once, if `localRedirects` already has the same rule).
+    pub fn local_redirect_rules(&self) -> Vec<LocalRedirectRule> {
+        let mut rules = self.local_redirects.clone();
+        let dns = &self.node_local_dns;
+        if dns.enabled && !rules.iter().any(|r| r.service == dns.service) {
+            rules.push(LocalRedirectRule { service: dns.service.clone(), address: dns.address });
+        }
+        rules
     }
 
     /// What gardenet does about Services, given whether the shoot runs kube-proxy
@@ -548,6 +779,14 @@ mapSizes:
   backends: 2048
   sockRevNat: 4096
   conntrack: 8192
+externalIPs:
+  enabled: false
+nodePortAddresses: [primary, 10.250.0.0/16, "2001:db8::/64"]
+localRedirects:
+- {service: kube-system/kube-dns, address: 169.254.20.10}
+- {service: obs/collector, address: "fd00::10"}
+nodeLocalDNS:
+  enabled: true
 "#;
 
     fn err(text: &str) -> ConfigError {
@@ -577,6 +816,18 @@ mapSizes:
                 conntrack: 8192
             }
         );
+        assert!(!c.external_ips.enabled);
+        assert_eq!(
+            c.node_port_addresses,
+            [
+                NodePortAddress::Primary,
+                NodePortAddress::Cidr("10.250.0.0/16".parse().unwrap()),
+                NodePortAddress::Cidr("2001:db8::/64".parse().unwrap()),
+            ]
+        );
+        // nodeLocalDNS names the same rule as localRedirects[0]: in effect once.
+        let rules: Vec<String> = c.local_redirect_rules().iter().map(|r| format!("{}={}", r.service, r.address)).collect();
+        assert_eq!(rules, ["kube-system/kube-dns=169.254.20.10", "obs/collector=fd00::10"]);
     }
 
     #[test]
@@ -589,6 +840,110 @@ mapSizes:
         assert_eq!(c.session_affinity.default_timeout_seconds, 10_800);
         assert_eq!(c.map_sizes.services, gardenet_common::DEFAULT_SERVICES_MAX);
         assert_eq!(c.map_sizes.conntrack, gardenet_common::DEFAULT_CT_MAX);
+        assert!(c.external_ips.enabled);
+        assert_eq!(c.node_port_addresses, [NodePortAddress::Primary]);
+        assert!(c.local_redirects.is_empty());
+        assert!(!c.node_local_dns.enabled);
+        assert_eq!(c.node_local_dns.address.to_string(), "169.254.20.10");
+        assert_eq!(c.node_local_dns.service, "kube-system/kube-dns");
+        assert!(c.local_redirect_rules().is_empty());
+    }
+
+    #[test]
+    fn external_ips_switch() {
+        let c = NetworkConfig::from_yaml_str(&format!("{}externalIPs: {{enabled: false}}\n", header())).unwrap();
+        assert!(!c.external_ips.enabled);
+        assert_eq!(serde_json::to_value(&c).unwrap()["externalIPs"]["enabled"], false);
+        let e = err(&format!("{}externalIps: {{enabled: false}}\n", header()));
+        assert!(e.message.contains("unknown field `externalIps`"), "{e}");
+        let e = err(&format!("{}externalIPs: {{enabled: no}}\n", header()));
+        assert_eq!(e.field, "externalIPs.enabled");
+    }
+
+    #[test]
+    fn node_port_addresses_take_primary_or_cidrs() {
+        let c = NetworkConfig::from_yaml_str(&format!("{}nodePortAddresses: [\"0.0.0.0/0\", \"::/0\"]\n", header())).unwrap();
+        assert_eq!(c.node_port_addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>(), ["0.0.0.0/0", "::/0"]);
+        // Host bits are dropped, as net.ParseCIDR does.
+        assert_eq!("10.1.2.3/8".parse::<NodePortAddress>().unwrap().to_string(), "10.0.0.0/8");
+        let e = err(&format!("{}nodePortAddresses: [primary, 10.0.0.0/33]\n", header()));
+        assert_eq!(e.field, "nodePortAddresses[1]");
+        assert!(e.message.contains("10.0.0.0/33"), "{e}");
+        let e = err(&format!("{}nodePortAddresses: [10.0.0.1]\n", header()));
+        assert_eq!(e.field, "nodePortAddresses[0]");
+        assert!(e.message.contains("neither \"primary\" nor a CIDR"), "{e}");
+        let e = err(&format!("{}nodePortAddresses: [Primary]\n", header()));
+        assert_eq!(e.field, "nodePortAddresses[0]");
+        let e = err(&format!("{}nodePortAddresses: []\n", header()));
+        assert_eq!(e.field, "nodePortAddresses");
+        let e = err(&format!("{}nodePortAddresses: primary\n", header()));
+        assert_eq!(e.field, "nodePortAddresses");
+    }
+
+    #[test]
+    fn node_port_cidrs_contain_their_family_only() {
+        let v4: NodePortAddress = "10.250.0.0/16".parse().unwrap();
+        assert!(v4.cidr_contains("10.250.3.4".parse().unwrap()));
+        assert!(!v4.cidr_contains("10.251.0.1".parse().unwrap()));
+        assert!(!v4.cidr_contains("::ffff:10.250.3.4".parse().unwrap()));
+        let all6: NodePortAddress = "::/0".parse().unwrap();
+        assert!(all6.cidr_contains("2001:db8::1".parse().unwrap()));
+        assert!(!all6.cidr_contains("10.0.0.1".parse().unwrap()));
+        assert!(!NodePortAddress::Primary.cidr_contains("10.0.0.1".parse().unwrap()));
+    }
+
+    #[test]
+    fn local_redirects_are_checked() {
+        let c = NetworkConfig::from_yaml_str(&format!("{}localRedirects: [{{service: kube-system/kube-dns, address: 169.254.20.10}}]\n", header())).unwrap();
+        assert_eq!(c.local_redirect_rules(), [LocalRedirectRule { service: "kube-system/kube-dns".into(), address: NODE_LOCAL_DNS_ADDRESS }]);
+        for (rule, field) in [
+            ("{service: kube-dns, address: 169.254.20.10}", "localRedirects[0].service"),
+            ("{service: a/b/c, address: 169.254.20.10}", "localRedirects[0].service"),
+            ("{service: Kube-System/dns, address: 169.254.20.10}", "localRedirects[0].service"),
+            ("{service: /dns, address: 169.254.20.10}", "localRedirects[0].service"),
+            ("{service: a/b, address: 169.254.20}", "localRedirects[0].address"),
+            ("{service: a/b, address: 127.0.0.1}", "localRedirects[0].address"),
+            ("{service: a/b, address: \"::\"}", "localRedirects[0].address"),
+            ("{service: a/b}", "localRedirects[0]"),
+            ("{service: a/b, address: 169.254.20.10, port: 53}", "localRedirects[0].port"),
+        ] {
+            let e = err(&format!("{}localRedirects: [{rule}]\n", header()));
+            assert_eq!(e.field, field, "{rule}: {e}");
+        }
+        let e = err(&format!("{}localRedirects: [{{service: a/b, address: 10.0.0.1}}, {{service: a/b, address: 10.0.0.2}}]\n", header()));
+        assert_eq!(e.field, "localRedirects[1].service");
+        assert!(e.message.contains("already redirected to 10.0.0.1"), "{e}");
+    }
+
+    #[test]
+    fn node_local_dns_adds_its_rule() {
+        let c = NetworkConfig::from_yaml_str(&format!("{}nodeLocalDNS: {{enabled: true}}\n", header())).unwrap();
+        assert_eq!(c.local_redirect_rules(), [LocalRedirectRule { service: "kube-system/kube-dns".into(), address: NODE_LOCAL_DNS_ADDRESS }]);
+        let c = NetworkConfig::from_yaml_str(&format!("{}nodeLocalDNS: {{enabled: true, address: \"fd00::a\", service: dns/coredns}}\n", header())).unwrap();
+        assert_eq!(c.local_redirect_rules(), [LocalRedirectRule { service: "dns/coredns".into(), address: "fd00::a".parse().unwrap() }]);
+        // Disabled: no rule, but still checked (a typo shows up before it is switched on).
+        let c = NetworkConfig::from_yaml_str(&format!("{}nodeLocalDNS: {{address: 169.254.0.1}}\n", header())).unwrap();
+        assert!(c.local_redirect_rules().is_empty());
+        let e = err(&format!("{}nodeLocalDNS: {{service: kube-dns}}\n", header()));
+        assert_eq!(e.field, "nodeLocalDNS.service");
+        let e = err(&format!("{}nodeLocalDNS: {{address: nowhere}}\n", header()));
+        assert_eq!(e.field, "nodeLocalDNS.address");
+        let e = err(&format!("{}nodeLocalDNS: {{enabled: true}}\nlocalRedirects: [{{service: kube-system/kube-dns, address: 10.0.0.53}}]\n", header()));
+        assert_eq!(e.field, "nodeLocalDNS.address");
+        assert!(e.message.contains("10.0.0.53"), "{e}");
+        let e = err(&format!("{}nodeLocalDns: {{enabled: true}}\n", header()));
+        assert!(e.message.contains("unknown field `nodeLocalDns`"), "{e}");
+    }
+
+    #[test]
+    fn local_redirect_flag_syntax() {
+        let r: LocalRedirectRule = "kube-system/kube-dns=169.254.20.10".parse().unwrap();
+        assert_eq!(r, LocalRedirectRule { service: "kube-system/kube-dns".into(), address: NODE_LOCAL_DNS_ADDRESS });
+        let r: LocalRedirectRule = "a/b=fd00::53".parse().unwrap();
+        assert_eq!(r.address.to_string(), "fd00::53");
+        for bad in ["kube-system/kube-dns", "kube-dns=169.254.20.10", "a/b=x", "a/b=127.0.0.1"] {
+            assert!(bad.parse::<LocalRedirectRule>().is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -628,6 +983,9 @@ mapSizes:
         let json = serde_json::to_value(&c).unwrap();
         assert_eq!(json["socketLB"]["hostNamespaceOnly"], true);
         assert_eq!(json["xdp"]["mode"], "native");
+        assert_eq!(json["nodePortAddresses"], serde_json::json!(["primary", "10.250.0.0/16", "2001:db8::/64"]));
+        assert_eq!(json["localRedirects"][1]["address"], "fd00::10");
+        assert_eq!(json["nodeLocalDNS"]["enabled"], true);
     }
 
     #[test]

@@ -335,6 +335,7 @@ mod tests {
                 SourceEvent::NodeApplied(o) => format!("+node {}", o.name_any()),
                 SourceEvent::Synced => "synced".into(),
                 SourceEvent::Resync => "resync".into(),
+                SourceEvent::LocalRedirectChanged(r) => format!("redirect {}", r.service),
             })
             .collect()
     }

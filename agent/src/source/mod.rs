@@ -4,7 +4,10 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
 
-use crate::view::{ServiceView, SliceView};
+use crate::{
+    translate::LocalRedirect,
+    view::{ServiceView, SliceView},
+};
 
 pub mod dir;
 pub mod kube;
@@ -26,6 +29,9 @@ pub enum SourceEvent {
     Synced,
     /// A full relist begins (e.g. after `410 Gone`); followed by the objects and `Synced`.
     Resync,
+    /// What listens on a local-redirect rule's address changed (`crate::listeners`): the
+    /// rule's Service is translated again. Not sent by the Service sources.
+    LocalRedirectChanged(LocalRedirect),
 }
 
 /// Sources hand events to the pipeline through this channel.

@@ -1,0 +1,353 @@
+//! Local-redirect listeners: for each local-redirect rule (NetworkConfig `localRedirects`,
+//! `nodeLocalDNS`), which `(protocol, port)` have a socket bound to the rule's address in the
+//! agent's network namespace (the node's: the agent runs with `hostNetwork`).
+//!
+//! The kernel's socket tables `/proc/net/{tcp,tcp6,udp,udp6}` are read every
+//! [`POLL_INTERVAL`], and only while there are rules. A TCP socket counts when it is in
+//! `LISTEN` on the rule's address, a UDP socket when it is bound to it and not connected (a
+//! connected UDP socket only hears its peer). The address must match exactly: a socket bound
+//! to the wildcard (`0.0.0.0`, `::`) does not count, even though it would receive traffic to
+//! the address too; node-local DNS binds its address explicitly. An IPv4 address bound
+//! through an IPv6 socket (`::ffff:169.254.20.10`) counts for the IPv4 address.
+//!
+//! A change of a rule's set goes to the pipeline as [`SourceEvent::LocalRedirectChanged`],
+//! which translates the rule's Service again.
+use std::{
+    collections::BTreeSet,
+    io::BufRead,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    sync::Arc,
+    time::Duration,
+};
+
+use tokio::sync::mpsc::WeakSender;
+
+use crate::{gardener::config::LocalRedirectRule, metrics::Metrics, model::Proto, source::SourceEvent, translate::LocalRedirect};
+
+/// How often the socket tables are read.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// `TCP_LISTEN` in the `st` column.
+const TCP_LISTEN: u8 = 0x0A;
+/// `TCP_CLOSE` in the `st` column: a UDP socket that is not connected.
+const UDP_UNCONNECTED: u8 = 0x07;
+
+/// One row of a `/proc/net` socket table: the local address and port, and the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub state: u8,
+}
+
+/// Parses one line of `/proc/net/{tcp,tcp6,udp,udp6}`:
+/// `  sl: LOCAL:PORT REMOTE:PORT ST ...`. The header and malformed lines give `None`.
+///
+/// Addresses are hex dumps of the kernel's `__be32` words printed as host-order integers:
+/// on little-endian machines 127.0.0.1 reads `0100007F`; an IPv6 address is four such words.
+/// The port is a plain hex number.
+pub fn parse_line(line: &str) -> Option<Row> {
+    let mut f = line.split_whitespace();
+    f.next()?.strip_suffix(':')?;
+    let (addr, port) = f.next()?.split_once(':')?;
+    let _remote = f.next()?;
+    let state = f.next()?;
+    let state = u8::try_from(hex(state).filter(|_| state.len() == 2)?).ok()?;
+    let port = u16::try_from(hex(port).filter(|_| port.len() == 4)?).ok()?;
+    let word = |h: &str| hex(h).map(u32::to_ne_bytes);
+    let addr = match addr.len() {
+        8 => IpAddr::V4(Ipv4Addr::from(word(addr)?)),
+        32 if addr.is_ascii() => {
+            let mut b = [0u8; 16];
+            for (i, chunk) in b.chunks_exact_mut(4).enumerate() {
+                chunk.copy_from_slice(&word(&addr[i * 8..i * 8 + 8])?);
+            }
+            let v6 = Ipv6Addr::from(b);
+            // An IPv4 address bound through an IPv6 socket serves that IPv4 address.
+            v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+        }
+        _ => return None,
+    };
+    Some(Row { addr, port, state })
+}
+
+/// Up to 8 hex digits, nothing else (no sign, no prefix).
+fn hex(s: &str) -> Option<u32> {
+    if s.is_empty() || s.len() > 8 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u32::from_str_radix(s, 16).ok()
+}
+
+/// Whether a socket in `state` accepts new traffic to its local address: TCP in `LISTEN`,
+/// UDP unconnected.
+pub fn serves(proto: Proto, state: u8) -> bool {
+    match proto {
+        Proto::Tcp => state == TCP_LISTEN,
+        Proto::Udp => state == UDP_UNCONNECTED,
+    }
+}
+
+/// The `(address, port)` of the sockets in one table's text that accept traffic
+/// ([`serves`]). Malformed lines are skipped.
+pub fn parse_table(text: &str, proto: Proto) -> Vec<(IpAddr, u16)> {
+    text.lines().filter_map(parse_line).filter(|r| serves(proto, r.state)).map(|r| (r.addr, r.port)).collect()
+}
+
+/// A rule's listeners that appeared or went away in one poll.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Change {
+    /// The rule with its new set.
+    pub redirect: LocalRedirect,
+    pub appeared: Vec<(Proto, u16)>,
+    pub gone: Vec<(Proto, u16)>,
+}
+
+/// The rules and what listens on their addresses, as of the last poll.
+#[derive(Clone, Debug, Default)]
+pub struct ListenerWatch {
+    redirects: Vec<LocalRedirect>,
+}
+
+impl ListenerWatch {
+    /// Rules with nothing seen listening yet.
+    pub fn new(rules: &[LocalRedirectRule]) -> Self {
+        let redirects = rules.iter().map(|r| LocalRedirect { service: r.service.clone(), to: r.address, listening: BTreeSet::new() }).collect();
+        Self { redirects }
+    }
+
+    /// The rules with their current sets, for the pipeline's NodeInfo.
+    pub fn redirects(&self) -> &[LocalRedirect] {
+        &self.redirects
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.redirects.is_empty()
+    }
+
+    /// Applies a new view of the bound sockets (`(protocol, address, port)`), logs and returns
+    /// the rules whose sets changed.
+    pub fn update(&mut self, bound: &[(Proto, IpAddr, u16)]) -> Vec<Change> {
+        let mut changes = Vec::new();
+        for r in &mut self.redirects {
+            let now: BTreeSet<(Proto, u16)> = bound.iter().filter(|(_, a, _)| *a == r.to).map(|(p, _, port)| (*p, *port)).collect();
+            if now == r.listening {
+                continue;
+            }
+            let appeared: Vec<(Proto, u16)> = now.difference(&r.listening).copied().collect();
+            let gone: Vec<(Proto, u16)> = r.listening.difference(&now).copied().collect();
+            for (what, list) in [("appeared", &appeared), ("went away", &gone)] {
+                for (proto, port) in list {
+                    tracing::info!("local redirect {}: listener on {} {proto}/{port} {what}", r.service, r.to);
+                }
+            }
+            r.listening = now;
+            changes.push(Change { redirect: r.clone(), appeared, gone });
+        }
+        changes
+    }
+
+    /// Reads the socket tables and applies them ([`ListenerWatch::update`]). Nothing is read
+    /// without rules.
+    pub fn poll(&mut self) -> Vec<Change> {
+        if self.redirects.is_empty() {
+            return Vec::new();
+        }
+        let mut bound = Vec::new();
+        for (proto, table) in [(Proto::Tcp, "tcp"), (Proto::Tcp, "tcp6"), (Proto::Udp, "udp"), (Proto::Udp, "udp6")] {
+            read_table(&format!("/proc/net/{table}"), proto, &mut bound);
+        }
+        self.update(&bound)
+    }
+}
+
+/// Appends the serving sockets of one table. A missing table (IPv6 disabled) is empty.
+///
+/// The kernel lists listening TCP sockets before all others (it walks the listening hash
+/// first), and generates the file as it is read: reading stops at the first TCP row that is
+/// not `LISTEN`, so a node with many connections costs no more than one with few. (Kernels
+/// before 4.4 listed pending connections after their listener; there listeners after the
+/// first pending connection are missed.) Should the order ever differ, listeners are missed
+/// and traffic keeps going to the Service's endpoints: the safe side.
+fn read_table(path: &str, proto: Proto, out: &mut Vec<(Proto, IpAddr, u16)>) {
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) => {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::debug!("reading {path}: {e}");
+            }
+            return;
+        }
+    };
+    for line in std::io::BufReader::new(file).lines() {
+        let Ok(line) = line else { break };
+        let Some(row) = parse_line(&line) else { continue };
+        if serves(proto, row.state) {
+            out.push((proto, row.addr, row.port));
+        } else if proto == Proto::Tcp {
+            break;
+        }
+    }
+}
+
+/// Polls every [`POLL_INTERVAL`] and sends each change to the pipeline; also keeps
+/// `gardenet_local_redirect_active` current. Ends when the pipeline's channel has no
+/// sources left (or is closed). Does nothing without rules.
+pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics: Arc<Metrics>) {
+    if watch.is_empty() {
+        return;
+    }
+    let mut tick = tokio::time::interval(POLL_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for c in watch.poll() {
+            report(&metrics, &c);
+            let Some(tx) = tx.upgrade() else { return };
+            if tx.send(SourceEvent::LocalRedirectChanged(c.redirect)).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// `gardenet_local_redirect_active{service,protocol,port}`: 1 while a listener is there.
+pub fn report(metrics: &Metrics, c: &Change) {
+    for (proto, port) in &c.appeared {
+        metrics.set_local_redirect(&c.redirect.service, *proto, *port, true);
+    }
+    for (proto, port) in &c.gone {
+        metrics.set_local_redirect(&c.redirect.service, *proto, *port, false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Real lines (Linux 6.1, x86_64): sockets bound to 127.0.0.1 / ::1 / ::ffff:127.0.0.1.
+    const TCP: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F75 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 25140 1 00000000c1790eb3 100 0 0 10 0
+   1: 0100007F:81A7 0100007F:8970 06 00000000:00000000 03:000012CC 00000000     0        0 0 3 000000007d7d295a
+   2: 00000000:07E8 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1171 1 00000000d5851642 100 0 0 10 0
+";
+    const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0000000000000000FFFF00000100007F:1F76 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 25142 1 00000000b0ff6eb5 100 0 0 10 0
+   1: 00000000000000000000000001000000:1F75 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 25141 1 00000000aab6bc4f 100 0 0 10 0
+";
+    const UDP: &str = "   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode ref pointer drops
+15108: 0100007F:14E9 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 25138 2 000000008e3c00ff 0
+15109: 0100007F:14EA 0100007F:14E9 01 00000000:00000000 00:00000000 00000000     0        0 25139 2 00000000cf82dd4d 0
+";
+    const UDP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode ref pointer drops
+15108: 00000000000000000000000001000000:14E9 00000000000000000000000000000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 25143 2 000000001fdfc031 0
+";
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    // The tables are in host byte order: these samples are from a little-endian machine.
+    #[cfg(target_endian = "little")]
+    #[test]
+    fn parses_the_four_tables() {
+        assert_eq!(parse_table(TCP, Proto::Tcp), [(ip("127.0.0.1"), 8053), (ip("0.0.0.0"), 2024)], "LISTEN only");
+        assert_eq!(parse_table(TCP6, Proto::Tcp), [(ip("127.0.0.1"), 8054), (ip("::1"), 8053)], "v4-mapped reads as IPv4");
+        assert_eq!(parse_table(UDP, Proto::Udp), [(ip("127.0.0.1"), 5353)], "unconnected only");
+        assert_eq!(parse_table(UDP6, Proto::Udp), [(ip("::1"), 5353)]);
+    }
+
+    #[cfg(target_endian = "little")]
+    #[test]
+    fn decodes_node_local_dns_addresses() {
+        let r = parse_line("   7: 0A14FEA9:0035 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 4711 2 0000000000000000 0").unwrap();
+        assert_eq!(r, Row { addr: ip("169.254.20.10"), port: 53, state: 7 });
+        let r = parse_line("   7: 000000FD000000000000000010000000:0035 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4711 1 0000000000000000 100 0 0 10 0").unwrap();
+        assert_eq!(r, Row { addr: ip("fd00::10"), port: 53, state: 0x0A });
+    }
+
+    #[test]
+    fn malformed_lines_are_skipped() {
+        for line in [
+            "",
+            "  sl  local_address rem_address   st",
+            "   0: 0100007F:1F75",
+            "   0: 0100007F:1F75 00000000:0000",
+            "   0: 0100007F 00000000:0000 0A",
+            "   0: 0100007G:1F75 00000000:0000 0A",
+            "   0: 0100007F:1F7 00000000:0000 0A",
+            "   0: 0100007F:1F75F 00000000:0000 0A",
+            "   0: 0100007F:1F75 00000000:0000 0AA",
+            "   0: 0100007F:-1F7 00000000:0000 0A",
+            "   0: 0100007F:+1F7 00000000:0000 0A",
+            "   0: +100007F:1F75 00000000:0000 0A",
+            "   0: 0100007F:1F75 00000000:0000 +A",
+            "   0: 00007F:1F75 00000000:0000 0A",
+            "   0: 000000000000000000000000010000:1F75 0:0 0A",
+            "   0: 0000000000000000000000000100000\u{e9}:1F75 0:0 0A",
+            "   0: 0000000000000000000000\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}:1F75 0:0 0A",
+            "0 0100007F:1F75 00000000:0000 0A",
+            "\u{e9}\u{e9}: \u{e9}\u{e9}\u{e9}\u{e9}:\u{e9}\u{e9} x x",
+        ] {
+            assert_eq!(parse_line(line), None, "{line:?}");
+        }
+        let text = format!("{TCP}garbage\n\n   9: zz:zz zz 0A\n");
+        assert_eq!(parse_table(&text, Proto::Tcp).len(), 2);
+    }
+
+    #[test]
+    fn a_rule_sees_exact_address_matches_and_reports_changes() {
+        let rules = [LocalRedirectRule { service: "kube-system/kube-dns".into(), address: ip("169.254.20.10") }];
+        let mut w = ListenerWatch::new(&rules);
+        assert!(w.update(&[]).is_empty(), "nothing listens, nothing changed");
+        let dns = [(Proto::Udp, ip("169.254.20.10"), 53), (Proto::Tcp, ip("169.254.20.10"), 53)];
+        // Wildcard binds and other addresses do not count.
+        let noise = [(Proto::Udp, ip("0.0.0.0"), 53), (Proto::Tcp, ip("::"), 53), (Proto::Udp, ip("169.254.20.11"), 53), (Proto::Tcp, ip("10.0.0.1"), 9253)];
+        let c = w.update(&[&dns[..], &noise].concat());
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].appeared, [(Proto::Tcp, 53), (Proto::Udp, 53)]);
+        assert!(c[0].gone.is_empty());
+        assert_eq!(c[0].redirect.listening, [(Proto::Tcp, 53), (Proto::Udp, 53)].into());
+        assert_eq!(w.redirects()[0], c[0].redirect);
+        assert!(w.update(&dns).is_empty(), "unchanged");
+        let c = w.update(&dns[..1]);
+        assert_eq!((c[0].appeared.clone(), c[0].gone.clone()), (vec![], vec![(Proto::Tcp, 53)]));
+        assert_eq!(c[0].redirect.listening, [(Proto::Udp, 53)].into());
+    }
+
+    #[test]
+    fn each_rule_changes_on_its_own() {
+        let rules = [
+            LocalRedirectRule { service: "a/dns".into(), address: ip("169.254.20.10") },
+            LocalRedirectRule { service: "b/otel".into(), address: ip("fd00::10") },
+        ];
+        let mut w = ListenerWatch::new(&rules);
+        let c = w.update(&[(Proto::Tcp, ip("fd00::10"), 4317)]);
+        assert_eq!(c.iter().map(|c| c.redirect.service.as_str()).collect::<Vec<_>>(), ["b/otel"]);
+        assert!(w.redirects()[0].listening.is_empty());
+    }
+
+    #[test]
+    fn sees_real_sockets_of_this_namespace() {
+        // Loopback only; the rule check (no loopback) is the config's, not the watch's.
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let rules = [LocalRedirectRule { service: "t/t".into(), address: ip("127.0.0.1") }];
+        let mut w = ListenerWatch::new(&rules);
+        w.poll();
+        let l = &w.redirects()[0].listening;
+        assert!(l.contains(&(Proto::Udp, udp.local_addr().unwrap().port())), "{l:?}");
+        assert!(l.contains(&(Proto::Tcp, tcp.local_addr().unwrap().port())), "{l:?}");
+        let port = tcp.local_addr().unwrap().port();
+        drop(tcp);
+        let c = w.poll();
+        assert!(c.iter().any(|c| c.gone.contains(&(Proto::Tcp, port))), "{c:?}");
+    }
+
+    #[test]
+    fn no_rules_no_reads() {
+        let mut w = ListenerWatch::new(&[]);
+        assert!(w.is_empty());
+        assert!(w.poll().is_empty());
+    }
+}
