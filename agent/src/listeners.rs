@@ -12,6 +12,13 @@
 //!
 //! A change of a rule's set goes to the pipeline as [`SourceEvent::LocalRedirectChanged`],
 //! which translates the rule's Service again.
+//!
+//! A listener that goes away must be noticed at once, not at the next poll: until the maps
+//! change, queries go to an address where nothing answers (a DNS cache restarting). The
+//! kernel announces every socket it destroys to sock_diag's `SKNLGRP_INET*_DESTROY`
+//! multicast groups; the watch subscribes and reads the tables again as soon as a socket on
+//! a rule's address is destroyed. New listeners are found by the poll (until then traffic
+//! goes to the Service's endpoints, which is harmless).
 use std::{
     collections::BTreeSet,
     io::BufRead,
@@ -197,16 +204,153 @@ pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics:
     if watch.is_empty() {
         return;
     }
+    let addrs: Vec<IpAddr> = watch.redirects().iter().map(|r| r.to).collect();
+    let destroyed = match destroy::Events::open() {
+        Ok(e) => Some(e),
+        Err(e) => {
+            tracing::warn!("local redirect: no socket-destroy notifications ({e}); a listener that goes away is noticed within {POLL_INTERVAL:?}");
+            None
+        }
+    };
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
+        match &destroyed {
+            Some(d) => tokio::select! {
+                _ = tick.tick() => {}
+                r = d.wait_for(&addrs) => if let Err(e) = r {
+                    tracing::warn!("local redirect: socket-destroy notifications: {e}");
+                }
+            },
+            None => {
+                tick.tick().await;
+            }
+        }
         for c in watch.poll() {
             report(&metrics, &c);
             let Some(tx) = tx.upgrade() else { return };
             if tx.send(SourceEvent::LocalRedirectChanged(c.redirect)).await.is_err() {
                 return;
             }
+        }
+    }
+}
+
+/// sock_diag's socket-destroy multicast groups.
+mod destroy {
+    use std::{
+        io,
+        net::IpAddr,
+        os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    };
+
+    use tokio::io::{unix::AsyncFd, Interest};
+
+    /// `SKNLGRP_INET_TCP_DESTROY` .. `SKNLGRP_INET6_UDP_DESTROY` (linux/sock_diag.h).
+    const GROUPS: [libc::c_int; 4] = [1, 2, 3, 4];
+    /// Offsets in a notification: `nlmsghdr` (16 bytes), then `inet_diag_msg`: family (u8),
+    /// state, timer, retrans, then `inet_diag_sockid`: sport, dport (be16), src (16 bytes).
+    const FAMILY: usize = 16;
+    const SRC: usize = 24;
+
+    pub struct Events {
+        fd: AsyncFd<OwnedFd>,
+    }
+
+    impl Events {
+        pub fn open() -> io::Result<Self> {
+            // SAFETY: plain socket(2); the fd is owned right away.
+            let raw = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, libc::NETLINK_SOCK_DIAG) };
+            if raw < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: `raw` is a fresh, valid fd nobody else owns.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            for g in GROUPS {
+                // SAFETY: a valid fd and an int option of the right size.
+                let rc = unsafe {
+                    libc::setsockopt(fd.as_raw_fd(), libc::SOL_NETLINK, libc::NETLINK_ADD_MEMBERSHIP, (&g as *const libc::c_int).cast(), size_of::<libc::c_int>() as libc::socklen_t)
+                };
+                if rc != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            // SAFETY: the fd is owned by the AsyncFd and closed only when it drops.
+            let fd = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(io::Error::from)?;
+            Ok(Events { fd })
+        }
+
+        /// Returns once a socket bound to one of `addrs` has been destroyed. Notifications
+        /// lost to a full buffer (ENOBUFS) count as one: the caller reads the tables again.
+        pub async fn wait_for(&self, addrs: &[IpAddr]) -> io::Result<()> {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let mut guard = self.fd.readable().await?;
+                loop {
+                    // SAFETY: reading into a buffer we own, of the length given.
+                    let n = unsafe { libc::recv(self.fd.get_ref().as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+                    if n < 0 {
+                        let e = io::Error::last_os_error();
+                        match e.raw_os_error() {
+                            Some(libc::EAGAIN) => {
+                                guard.clear_ready();
+                                break;
+                            }
+                            Some(libc::ENOBUFS) => return Ok(()),
+                            Some(libc::EINTR) => continue,
+                            _ => return Err(e),
+                        }
+                    }
+                    if messages(&buf[..n as usize]).any(|m| source(m).is_some_and(|a| addrs.contains(&a))) {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The netlink messages in one datagram.
+    fn messages(mut b: &[u8]) -> impl Iterator<Item = &[u8]> {
+        std::iter::from_fn(move || {
+            let len = u32::from_ne_bytes(b.get(..4)?.try_into().ok()?) as usize;
+            if len < 16 || len > b.len() {
+                return None;
+            }
+            let (m, rest) = b.split_at(len);
+            // Messages are 4-byte aligned.
+            b = rest.get(rest.len().min((4 - len % 4) % 4)..).unwrap_or_default();
+            Some(m)
+        })
+    }
+
+    /// The destroyed socket's local address.
+    pub(super) fn source(m: &[u8]) -> Option<IpAddr> {
+        let src: [u8; 16] = m.get(SRC..SRC + 16)?.try_into().ok()?;
+        match i32::from(*m.get(FAMILY)?) {
+            libc::AF_INET => Some(IpAddr::from([src[0], src[1], src[2], src[3]])),
+            libc::AF_INET6 => Some(std::net::Ipv6Addr::from(src).to_canonical()),
+            _ => None,
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn reads_the_source_of_a_destroy_notification() {
+            let mut m = vec![0u8; 72];
+            m[..4].copy_from_slice(&72u32.to_ne_bytes());
+            m[FAMILY] = libc::AF_INET as u8;
+            m[SRC..SRC + 4].copy_from_slice(&[169, 254, 20, 10]);
+            let mut two = m.clone();
+            two.extend_from_slice(&m);
+            let got: Vec<_> = messages(&two).filter_map(source).collect();
+            assert_eq!(got, ["169.254.20.10".parse::<IpAddr>().unwrap(); 2]);
+            m[FAMILY] = libc::AF_INET6 as u8;
+            m[SRC..SRC + 16].copy_from_slice(&"::ffff:169.254.20.10".parse::<std::net::Ipv6Addr>().unwrap().octets());
+            assert_eq!(source(&m), Some("169.254.20.10".parse().unwrap()));
+            assert!(messages(&m[..10]).next().is_none(), "truncated: nothing");
         }
     }
 }

@@ -36,7 +36,7 @@ pub const KERNELS: &[Kernel] = &[
 /// The privileged namespace suites (`tests/tests/*.rs` that need root and a kernel). Suites
 /// that only measure speed (`cargo xtask bench`) stay on the host.
 pub const PRIVILEGED_SUITES: &[&str] =
-    &["dataplane", "ipv6", "interfaces", "links_watch", "nodeport_snat", "icmp_pmtu", "control_plane", "kube_agent", "kernel_features", "endpoint_selection"];
+    &["dataplane", "ipv6", "interfaces", "links_watch", "nodeport_snat", "icmp_pmtu", "control_plane", "kube_agent", "kernel_features", "endpoint_selection", "local_redirect"];
 
 /// Per-suite limit inside a VM (a hung suite must not hold the matrix).
 const SUITE_TIMEOUT_S: u64 = 1_800;

@@ -26,6 +26,9 @@ enum Cmd {
         name: String,
         #[arg(long)]
         port: u16,
+        /// Listen on this address only (TCP and UDP), like node-local DNS on 169.254.20.10.
+        #[arg(long)]
+        addr: Option<std::net::IpAddr>,
     },
     /// COUNT TCP connections (connect, one request, one reply, close); counts answers by name.
     Tcp {
@@ -53,6 +56,12 @@ enum Cmd {
         /// Send from this local port (one flow across runs, as a long-lived client socket).
         #[arg(long)]
         bind_port: Option<u16>,
+        /// Pause between datagrams (ms).
+        #[arg(long, default_value_t = 0)]
+        interval_ms: u64,
+        /// Also print each datagram's send time (Unix ms) and answer ("-" for none).
+        #[arg(long)]
+        trace: bool,
     },
     /// Connect, then report getpeername() and the answering backend (TCP, or connected UDP).
     Peername {
@@ -109,9 +118,12 @@ enum Cmd {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Serve { name, port } => serve(&name, port),
+        Cmd::Serve { name, port, addr: Some(addr) } => serve_on(&name, addr, port),
+        Cmd::Serve { name, port, addr: None } => serve(&name, port),
         Cmd::Tcp { to, count, timeout_ms, bind_port } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port),
-        Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port } => udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket, bind_port),
+        Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port, interval_ms, trace } => {
+            udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket, bind_port, Duration::from_millis(interval_ms.min(10_000)), trace)
+        }
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
         Cmd::Bulk { to, bytes, pace_ms, download } => bulk(to, bytes.min(1 << 30), pace_ms, download.unwrap_or(bytes).min(1 << 30)),
@@ -165,6 +177,13 @@ fn serve_tcp(l: TcpListener, name: String) {
             let _ = handle(s, &name);
         });
     }
+}
+
+/// `serve` on one address only.
+fn serve_on(name: &str, addr: std::net::IpAddr, port: u16) -> Result<()> {
+    serve_udp(UdpSocket::bind((addr, port))?, name.to_owned());
+    serve_tcp(TcpListener::bind((addr, port))?, name.to_owned());
+    Ok(())
 }
 
 fn serve(name: &str, port: u16) -> Result<()> {
@@ -277,7 +296,7 @@ fn any_for(to: SocketAddr) -> SocketAddr {
     if to.is_ipv6() { "[::]:0".parse().unwrap() } else { "0.0.0.0:0".parse().unwrap() }
 }
 
-fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool, bind_port: Option<u16>) -> Result<()> {
+fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool, bind_port: Option<u16>, interval: Duration, trace: bool) -> Result<()> {
     let local = match bind_port {
         Some(p) => SocketAddr::new(any_for(to).ip(), p),
         None => any_for(to),
@@ -288,24 +307,39 @@ fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool, bind_port: Op
     let mut sources: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
     let mut buf = [0u8; 2048];
-    for _ in 0..count {
+    let mut traced: Vec<(u128, String)> = Vec::new();
+    for i in 0..count {
+        if i > 0 && !interval.is_zero() {
+            std::thread::sleep(interval);
+        }
         if fresh {
             s = UdpSocket::bind(any_for(to))?;
             s.set_read_timeout(Some(timeout))?;
         }
+        let sent = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
         if let Err(e) = s.send_to(b"HELLO", to) {
             *errors.entry(err_kind(&e)).or_default() += 1;
+            traced.push((sent, "-".into()));
             continue;
         }
         match s.recv_from(&mut buf) {
             Ok((n, from)) => {
-                *counts.entry(String::from_utf8_lossy(&buf[..n]).into_owned()).or_default() += 1;
+                let name = String::from_utf8_lossy(&buf[..n]).into_owned();
+                *counts.entry(name.clone()).or_default() += 1;
                 *sources.entry(from.to_string()).or_default() += 1;
+                traced.push((sent, name));
             }
-            Err(e) => *errors.entry(err_kind(&e)).or_default() += 1,
+            Err(e) => {
+                *errors.entry(err_kind(&e)).or_default() += 1;
+                traced.push((sent, "-".into()));
+            }
         }
     }
-    println!("{}", json!({"counts": counts, "sources": sources, "errors": errors}));
+    if trace {
+        println!("{}", json!({"counts": counts, "sources": sources, "errors": errors, "trace": traced}));
+    } else {
+        println!("{}", json!({"counts": counts, "sources": sources, "errors": errors}));
+    }
     Ok(())
 }
 
