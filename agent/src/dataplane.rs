@@ -19,7 +19,8 @@ use gardenet_common::*;
 
 use crate::{
     features::KernelFeatures,
-    lbmap::{LbMaps, MapDump, MapError, RangeKey},
+    lbmap::{LbMaps, MapDump, MapError, RangeKey, ServiceNet},
+    model::Cidr,
     pinned_link::{self, AttachType, Attached, Target},
 };
 
@@ -343,7 +344,9 @@ impl Dataplane {
         let matches6 = self.ebpf.take_map(MAP_AFFINITY_MATCH6).context("no IPv6 affinity match map")?;
         let ranges = self.ebpf.take_map(MAP_SOURCE_RANGES).context("no source-range map")?;
         let ranges6 = self.ebpf.take_map(MAP_SOURCE_RANGES6).context("no IPv6 source-range map")?;
+        let service_nets = self.ebpf.take_map(MAP_SERVICE_NETS).context("no service-net map")?;
         Ok(AyaLbMaps {
+            service_nets: LpmTrie::try_from(service_nets)?,
             services: BpfHashMap::try_from(services)?,
             backends: BpfHashMap::try_from(backends)?,
             matches: BpfHashMap::try_from(matches)?,
@@ -470,6 +473,7 @@ pub struct AyaLbMaps {
     matches6: BpfHashMap<MapData, AffinityMatchKey6, u8>,
     ranges: LpmTrie<MapData, SourceRange4, u8>,
     ranges6: LpmTrie<MapData, SourceRange6, u8>,
+    service_nets: LpmTrie<MapData, Ip6, u8>,
 }
 
 impl AyaLbMaps {
@@ -478,8 +482,16 @@ impl AyaLbMaps {
         d.services6 = self.services6.iter().filter_map(|r| r.ok()).collect();
         d.backends6 = self.backends6.iter().filter_map(|r| r.ok()).collect();
         d.ranges = dump_ranges(&self.ranges, &self.ranges6);
+        d.service_nets = dump_service_nets(&self.service_nets);
         d
     }
+}
+
+fn dump_service_nets(m: &LpmTrie<MapData, Ip6, u8>) -> Vec<(Cidr, ServiceNet)> {
+    m.iter()
+        .filter_map(|r| r.ok())
+        .filter_map(|(k, v)| Some((crate::lbmap::service_net_of_key(k.prefix_len(), k.data())?, ServiceNet::from_value(v)?)))
+        .collect()
 }
 
 fn dump_ranges(r4: &LpmTrie<MapData, SourceRange4, u8>, r6: &LpmTrie<MapData, SourceRange6, u8>) -> Vec<RangeKey> {
@@ -553,6 +565,14 @@ impl LbMaps for AyaLbMaps {
             RangeKey::V6(len, d) => ignore_missing(self.ranges6.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES6, format!("delete {key:?}"), e)),
         }
     }
+    fn put_service_net(&mut self, net: &Cidr, kind: ServiceNet) -> Result<(), MapError> {
+        let (len, data) = crate::lbmap::service_net_key(net);
+        self.service_nets.insert(&LpmKey::new(len, data), kind.value(), 0).map_err(|e| map_err(MAP_SERVICE_NETS, format!("put {net}"), e))
+    }
+    fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
+        let (len, data) = crate::lbmap::service_net_key(net);
+        ignore_missing(self.service_nets.remove(&LpmKey::new(len, data))).map_err(|e| map_err(MAP_SERVICE_NETS, format!("delete {net}"), e))
+    }
 }
 
 const MAP_SERVICES_NAME: &str = MAP_SERVICES;
@@ -591,6 +611,10 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
         let r4: LpmTrie<MapData, SourceRange4, u8> = LpmTrie::try_from(lpm(MAP_SOURCE_RANGES)?)?;
         let r6: LpmTrie<MapData, SourceRange6, u8> = LpmTrie::try_from(lpm(MAP_SOURCE_RANGES6)?)?;
         d.ranges = dump_ranges(&r4, &r6);
+    }
+    if pin_dir.join(MAP_SERVICE_NETS).exists() {
+        let m: LpmTrie<MapData, Ip6, u8> = LpmTrie::try_from(Map::LpmTrie(MapData::from_pin(pin_dir.join(MAP_SERVICE_NETS))?))?;
+        d.service_nets = dump_service_nets(&m);
     }
     Ok(d)
 }

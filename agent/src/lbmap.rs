@@ -13,7 +13,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use gardenet_common::{
-    ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, ServiceKey4, ServiceKey6, ServiceValue4,
+    ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, Ip6, ServiceKey4, ServiceKey6, ServiceValue4,
+    SVCNET_CLUSTER_IP, SVCNET_FOREIGN, SVCNET_RANGE,
     BE_FLAG_REMOTE, SVC_FLAG_DROP, SVC_FLAG_NONE, SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES, SourceRange4, SourceRange6, SOURCE_RANGE_FE_BITS4,
     SOURCE_RANGE_FE_BITS6,
 };
@@ -67,6 +68,100 @@ pub trait LbMaps {
     }
     fn del_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
         Err(MapError::Other(format!("delete {key:?}: this map backend has no source-range maps")))
+    }
+
+    /// Service ranges and ClusterIPs (`GN_SVCNET`, value `SVCNET_*`).
+    fn put_service_net(&mut self, net: &Cidr, kind: ServiceNet) -> Result<(), MapError> {
+        Err(MapError::Other(format!("put {net} ({kind:?}): this map backend has no service-net map")))
+    }
+    fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
+        Err(MapError::Other(format!("delete {net}: this map backend has no service-net map")))
+    }
+}
+
+/// What an entry of `GN_SVCNET` says about the addresses it covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServiceNet {
+    /// A ServiceCIDR: unallocated addresses are dropped.
+    Range,
+    /// A ClusterIP gardenet serves: ports it does not serve are rejected.
+    ClusterIp,
+    /// A ClusterIP of another proxy's Service: left alone.
+    Foreign,
+}
+
+impl ServiceNet {
+    pub fn value(self) -> u8 {
+        match self {
+            ServiceNet::Range => SVCNET_RANGE,
+            ServiceNet::ClusterIp => SVCNET_CLUSTER_IP,
+            ServiceNet::Foreign => SVCNET_FOREIGN,
+        }
+    }
+
+    pub fn from_value(v: u8) -> Option<Self> {
+        match v {
+            SVCNET_RANGE => Some(ServiceNet::Range),
+            SVCNET_CLUSTER_IP => Some(ServiceNet::ClusterIp),
+            SVCNET_FOREIGN => Some(ServiceNet::Foreign),
+            _ => None,
+        }
+    }
+}
+
+/// The `GN_SVCNET` trie key of a prefix of either family: IPv4 as `::ffff:a.b.c.d/(96+len)`.
+pub fn service_net_key(net: &Cidr) -> (u32, Ip6) {
+    match net.addr {
+        IpAddr::V4(a) => (96 + u32::from(net.len), ip6_from_octets(a.to_ipv6_mapped().octets())),
+        IpAddr::V6(a) => (u32::from(net.len), ip6_from_octets(a.octets())),
+    }
+}
+
+/// Inverse of [`service_net_key`].
+pub fn service_net_of_key(len: u32, data: Ip6) -> Option<Cidr> {
+    let a = Ipv6Addr::from(ip6_octets(data));
+    match a.to_ipv4_mapped() {
+        Some(v4) if len >= 96 => Cidr::new(v4.into(), u8::try_from(len - 96).ok()?),
+        _ => Cidr::new(a.into(), u8::try_from(len).ok()?),
+    }
+}
+
+/// The writer of `GN_SVCNET`: service ranges and the ClusterIPs inside them.
+#[derive(Debug, Default)]
+pub struct ServiceNets {
+    programmed: BTreeMap<Cidr, ServiceNet>,
+}
+
+impl ServiceNets {
+    /// What a previous agent left in the map.
+    pub fn adopt(entries: &[(Cidr, ServiceNet)]) -> Self {
+        ServiceNets { programmed: entries.iter().copied().collect() }
+    }
+
+    pub fn programmed(&self) -> &BTreeMap<Cidr, ServiceNet> {
+        &self.programmed
+    }
+
+    /// Makes the map hold exactly `want`: new and changed entries first, then removals, so a
+    /// ClusterIP that stays never passes through "unallocated". Stops at the first failed
+    /// write (what was written is remembered; the next sync retries the rest).
+    pub fn sync(&mut self, maps: &mut impl LbMaps, want: &BTreeMap<Cidr, ServiceNet>) -> Result<Writes, MapError> {
+        let mut w = Writes::default();
+        for (net, kind) in want {
+            if self.programmed.get(net) != Some(kind) {
+                maps.put_service_net(net, *kind)?;
+                self.programmed.insert(*net, *kind);
+                w.puts += 1;
+            }
+        }
+        let gone: Vec<Cidr> = self.programmed.keys().filter(|n| !want.contains_key(n)).copied().collect();
+        for net in gone {
+            maps.del_service_net(&net)?;
+            self.programmed.remove(&net);
+            w.deletes += 1;
+        }
+        Ok(w)
     }
 }
 
@@ -308,6 +403,8 @@ pub fn backend_from_value6(v: &Backend6) -> Backend {
 /// A dump of the maps as the kernel has them (for adoption after a restart, and `lb list`).
 #[derive(Clone, Debug, Default)]
 pub struct MapDump {
+    /// `GN_SVCNET` entries.
+    pub service_nets: Vec<(Cidr, ServiceNet)>,
     pub services: Vec<(ServiceKey4, ServiceValue4)>,
     pub backends: Vec<(u32, Backend4)>,
     pub services6: Vec<(ServiceKey6, ServiceValue4)>,
@@ -794,6 +891,7 @@ pub struct MemMaps {
     pub backends6: HashMap<u32, Backend6>,
     pub matches6: BTreeSet<AffinityMatchKey6>,
     pub ranges: BTreeSet<RangeKey>,
+    pub service_nets: BTreeMap<Cidr, ServiceNet>,
     pub max_services: Option<usize>,
     pub max_backends: Option<usize>,
     pub check_invariant: bool,
@@ -812,6 +910,7 @@ impl MemMaps {
             services6: self.services6.iter().map(|(k, v)| (*k, *v)).collect(),
             backends6: self.backends6.iter().map(|(k, v)| (*k, *v)).collect(),
             ranges: self.ranges.iter().copied().collect(),
+            service_nets: self.service_nets.iter().map(|(k, v)| (*k, *v)).collect(),
         }
     }
 
@@ -957,10 +1056,30 @@ impl LbMaps for MemMaps {
         self.after_write();
         Ok(())
     }
+    fn put_service_net(&mut self, net: &Cidr, kind: ServiceNet) -> Result<(), MapError> {
+        self.service_nets.insert(*net, kind);
+        self.writes += 1;
+        Ok(())
+    }
+    fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
+        self.service_nets.remove(net);
+        self.writes += 1;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn service_net_keys_of_both_families_round_trip() {
+        for c in ["10.96.0.0/12", "10.96.0.10/32", "0.0.0.0/0", "fd00:96::/108", "fd00:96::a/128"] {
+            let c: Cidr = c.parse().unwrap();
+            let (len, data) = service_net_key(&c);
+            assert_eq!(service_net_of_key(len, data), Some(c));
+        }
+        assert_eq!(service_net_key(&"10.96.0.0/12".parse().unwrap()).0, 108, "IPv4 as ::ffff:a.b.c.d");
+    }
+
     use super::*;
 
     fn fe(port: u16) -> Frontend {

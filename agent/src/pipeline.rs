@@ -11,11 +11,11 @@ use std::{
 
 use crate::{
     gardener::config::NodePortAddress,
-    lbmap::{LbMaps, LbState, MapError, Writes},
-    model::{Backend, Frontend, Proto},
+    lbmap::{LbMaps, LbState, MapError, ServiceNet, ServiceNets, Writes},
+    model::{Backend, Cidr, Frontend, Proto},
     source::SourceEvent,
     translate::{self, NodeInfo, Problem, ProblemKind},
-    view::{ServiceView, SliceView},
+    view::{ServiceCidrView, ServiceView, SliceView},
 };
 
 /// How long a slice may wait for its Service before it is reported.
@@ -65,6 +65,13 @@ pub struct Pipeline<M: LbMaps> {
     /// Slices applied recently, with when: checked for a Service to belong to once
     /// `ORPHAN_GRACE` has passed (see [`Pipeline::orphan_slices`]).
     applied_slices: BTreeMap<String, Instant>,
+    /// ServiceCIDRs by name, and the writer of the ranges and ClusterIPs they imply.
+    service_cidrs: BTreeMap<String, Arc<ServiceCidrView>>,
+    nets: ServiceNets,
+    /// Ranges or ClusterIPs may have changed since the last flush.
+    nets_dirty: bool,
+    /// ServiceCIDRs seen since a `Resync` began.
+    resync_cidrs: Option<HashSet<String>>,
     pub stats: PipelineStats,
 }
 
@@ -88,8 +95,23 @@ impl<M: LbMaps> Pipeline<M> {
             resync: None,
             health: HashMap::new(),
             applied_slices: BTreeMap::new(),
+            service_cidrs: BTreeMap::new(),
+            nets: ServiceNets::default(),
+            nets_dirty: true,
+            resync_cidrs: None,
             stats: PipelineStats::default(),
         }
+    }
+
+    /// Starts from the service ranges and ClusterIPs a previous agent left in the maps.
+    pub fn with_service_nets(mut self, adopted: &[(Cidr, ServiceNet)]) -> Self {
+        self.nets = ServiceNets::adopt(adopted);
+        self
+    }
+
+    /// Service ranges and ClusterIPs as programmed.
+    pub fn service_nets(&self) -> &BTreeMap<Cidr, ServiceNet> {
+        self.nets.programmed()
     }
 
     /// Which of the Node's addresses NodePorts are served on (default `[primary]`); applies
@@ -139,12 +161,30 @@ impl<M: LbMaps> Pipeline<M> {
                 let k = s.key();
                 self.seen(Some(&k), None);
                 self.dirty.insert(k.clone());
+                if self.services.get(&k).is_none_or(|o| o.cluster_ips != s.cluster_ips || o.foreign_cluster_ips != s.foreign_cluster_ips) {
+                    self.nets_dirty = true;
+                }
                 self.services.insert(k, s);
             }
             SourceEvent::ServiceDeleted(s) => {
                 let k = s.key();
                 self.services.remove(&k);
                 self.dirty.insert(k);
+                self.nets_dirty = true;
+            }
+            SourceEvent::ServiceCidrApplied(c) => {
+                if let Some(seen) = &mut self.resync_cidrs {
+                    seen.insert(c.name.clone());
+                }
+                for p in &c.problems {
+                    tracing::warn!(object = "ServiceCIDR", name = %c.name, "{p}");
+                }
+                self.service_cidrs.insert(c.name.clone(), c);
+                self.nets_dirty = true;
+            }
+            SourceEvent::ServiceCidrDeleted(c) => {
+                self.service_cidrs.remove(&c.name);
+                self.nets_dirty = true;
             }
             SourceEvent::SliceApplied(sl) => {
                 let k = sl.key();
@@ -182,13 +222,22 @@ impl<M: LbMaps> Pipeline<M> {
                     self.dirty.insert(svc);
                 }
             }
-            SourceEvent::Resync => self.resync = Some(Default::default()),
+            SourceEvent::Resync => {
+                self.resync = Some(Default::default());
+                self.resync_cidrs = Some(Default::default());
+            }
             SourceEvent::Synced => {
+                if let Some(seen) = self.resync_cidrs.take() {
+                    let before = self.service_cidrs.len();
+                    self.service_cidrs.retain(|k, _| seen.contains(k));
+                    self.nets_dirty |= self.service_cidrs.len() != before;
+                }
                 if let Some((svcs, slices)) = self.resync.take() {
                     let gone: Vec<String> = self.services.keys().filter(|k| !svcs.contains(*k)).cloned().collect();
                     for k in gone {
                         self.services.remove(&k);
                         self.dirty.insert(k);
+                        self.nets_dirty = true;
                     }
                     let gone: Vec<String> = self.slices.keys().filter(|k| !slices.contains(*k)).cloned().collect();
                     for k in gone {
@@ -253,6 +302,18 @@ impl<M: LbMaps> Pipeline<M> {
                 }
             }
         }
+        if self.nets_dirty {
+            // After the frontends: a new Service's ports exist before its ClusterIP rejects
+            // the others.
+            let want = self.wanted_service_nets();
+            match self.nets.sync(&mut self.maps, &want) {
+                Ok(w) => {
+                    rep.writes += w;
+                    self.nets_dirty = false;
+                }
+                Err(e) => self.map_error(&mut rep, "-", &e, "writing service ranges".into()),
+            }
+        }
         for p in &rep.problems {
             tracing::warn!(object = ?p.object, name = %p.service, kind = ?p.kind, "{}", p.message);
         }
@@ -284,6 +345,30 @@ impl<M: LbMaps> Pipeline<M> {
             out.push(Problem::slice(k, message));
         }
         out
+    }
+
+    /// The service ranges and, inside them, every ClusterIP (kube-proxy's nftables
+    /// `cluster-ips` set): a ClusterIP of ours rejects the ports it does not serve, one of
+    /// another proxy's passes. Without ServiceCIDRs nothing (traffic to the ranges is left
+    /// alone, as before).
+    fn wanted_service_nets(&self) -> BTreeMap<Cidr, ServiceNet> {
+        let mut want = BTreeMap::new();
+        let ranges: Vec<Cidr> = self.service_cidrs.values().flat_map(|c| c.cidrs.iter().copied()).collect();
+        if ranges.is_empty() {
+            return want;
+        }
+        for r in ranges {
+            want.insert(r, ServiceNet::Range);
+        }
+        for svc in self.services.values() {
+            for ip in &svc.cluster_ips {
+                want.insert(Cidr::new(*ip, if ip.is_ipv4() { 32 } else { 128 }).expect("host prefix"), ServiceNet::ClusterIp);
+            }
+            for ip in &svc.foreign_cluster_ips {
+                want.entry(Cidr::new(*ip, if ip.is_ipv4() { 32 } else { 128 }).expect("host prefix")).or_insert(ServiceNet::Foreign);
+            }
+        }
+        want
     }
 
     fn map_error(&mut self, rep: &mut FlushReport, svc: &str, e: &MapError, doing: String) {
@@ -452,6 +537,61 @@ mod tests {
     fn pipeline() -> Pipeline<MemMaps> {
         Pipeline::new(MemMaps::checked(), LbState::new(), NodeInfo::default())
     }
+    fn service_cidr(name: &str, cidrs: &[&str]) -> Arc<ServiceCidrView> {
+        let o: k8s_openapi::api::networking::v1::ServiceCIDR =
+            serde_yaml::from_str(&format!("metadata: {{name: {name}}}\nspec: {{cidrs: [{}]}}", cidrs.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", "))).unwrap();
+        Arc::new(ServiceCidrView::from(&o))
+    }
+    fn nets(p: &Pipeline<MemMaps>) -> Vec<String> {
+        p.maps().service_nets.iter().map(|(c, k)| format!("{c} {k:?}")).collect()
+    }
+
+    #[test]
+    fn service_ranges_and_cluster_ips_follow_service_cidrs_and_services() {
+        let mut p = pipeline();
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.10", "a"))));
+        let foreign = svc("metadata: {name: f, namespace: d, labels: {service.kubernetes.io/service-proxy-name: other}}\nspec: {clusterIP: 10.96.0.77, ports: [{port: 80}]}");
+        p.handle(SourceEvent::ServiceApplied(Arc::new(foreign)));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        assert!(nets(&p).is_empty(), "no ServiceCIDRs: nothing enforced");
+        p.handle(SourceEvent::ServiceCidrApplied(service_cidr("kubernetes", &["10.96.0.0/16", "fd00:96::/112"])));
+        let r = p.flush();
+        assert_eq!(nets(&p), ["10.96.0.0/16 Range", "10.96.0.10/32 ClusterIp", "10.96.0.77/32 Foreign", "fd00:96::/112 Range"]);
+        assert_eq!(r.writes.puts, 4);
+        // A new Service adds its ClusterIP, a deleted one takes it away; endpoints do not matter.
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.11", "b"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a", "a-1", &["10.0.0.1"]))));
+        p.flush();
+        assert!(nets(&p).contains(&"10.96.0.11/32 ClusterIp".to_string()));
+        p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.11", "b"))));
+        p.handle(SourceEvent::ServiceCidrApplied(service_cidr("extra", &["10.97.0.0/24"])));
+        p.flush();
+        assert_eq!(nets(&p), ["10.96.0.0/16 Range", "10.96.0.10/32 ClusterIp", "10.96.0.77/32 Foreign", "10.97.0.0/24 Range", "fd00:96::/112 Range"]);
+        // A relist without the extra ServiceCIDR removes it; the last one gone, nothing stays.
+        p.handle(SourceEvent::Resync);
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.10", "a"))));
+        p.handle(SourceEvent::ServiceCidrApplied(service_cidr("kubernetes", &["10.96.0.0/16"])));
+        p.handle(SourceEvent::Synced);
+        p.flush();
+        assert_eq!(nets(&p), ["10.96.0.0/16 Range", "10.96.0.10/32 ClusterIp"]);
+        p.handle(SourceEvent::ServiceCidrDeleted(service_cidr("kubernetes", &[])));
+        p.flush();
+        assert!(nets(&p).is_empty());
+        // A restarted agent adopts what is there and writes nothing when nothing changed.
+        p.handle(SourceEvent::ServiceCidrApplied(service_cidr("kubernetes", &["10.96.0.0/16"])));
+        p.flush();
+        let adopted: Vec<_> = p.maps().dump().service_nets;
+        let left = MemMaps { service_nets: adopted.iter().copied().collect(), ..MemMaps::checked() };
+        let mut p2 = Pipeline::new(left, LbState::new(), NodeInfo::default()).with_service_nets(&adopted);
+        p2.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.10", "a"))));
+        p2.handle(SourceEvent::ServiceCidrApplied(service_cidr("kubernetes", &["10.96.0.0/16"])));
+        p2.handle(SourceEvent::Synced);
+        p2.flush();
+        assert_eq!(p2.maps().writes, 1, "the frontend's master, no service-net writes: {:?}", p2.maps().service_nets);
+        assert_eq!(p2.service_nets().len(), 2);
+    }
+
     fn backends(p: &Pipeline<MemMaps>, fe: &str) -> Vec<String> {
         let fe: Frontend = fe.parse().unwrap();
         p.maps().dump().frontends().into_iter().find(|d| d.frontend == fe).map(|d| {

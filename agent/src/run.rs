@@ -247,7 +247,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     state.set_programs_loaded(true);
     let maps = dp.lb_maps()?;
-    let lb = if args.reset { LbState::new() } else { LbState::adopt(&maps.dump()) };
+    let dump = if args.reset { Default::default() } else { maps.dump() };
+    let lb = LbState::adopt(&dump);
     if lb.frontend_count() > 0 {
         tracing::info!("adopted {} frontends and {} backends from pinned maps", lb.frontend_count(), lb.backend_count());
     }
@@ -275,7 +276,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         local_redirects: listeners.redirects().to_vec(),
         ..Default::default()
     };
-    let mut pipeline = Pipeline::new(maps, lb, node).with_node_port_addresses(settings.node_port_addresses.clone());
+    let mut pipeline = Pipeline::new(maps, lb, node).with_node_port_addresses(settings.node_port_addresses.clone()).with_service_nets(&dump.service_nets);
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
     // Polls the socket tables while there are rules; ends with the sources.
@@ -612,6 +613,11 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
             line.push_str(&format!("  [ClientIP affinity {}s]", f.affinity_timeout));
         }
         writeln!(out, "{:<38} {}", f.frontend.to_string(), line)?;
+    }
+    let ranges: Vec<String> = dump.service_nets.iter().filter(|(_, k)| *k == crate::lbmap::ServiceNet::Range).map(|(c, _)| c.to_string()).collect();
+    if !ranges.is_empty() {
+        let ips = dump.service_nets.iter().filter(|(_, k)| *k != crate::lbmap::ServiceNet::Range).count();
+        writeln!(out, "service ranges: {} (unallocated addresses dropped; {ips} ClusterIPs: other ports rejected)", ranges.join(", "))?;
     }
     if let Ok(n) = dataplane::conntrack_entries(bpffs) {
         writeln!(out, "conntrack entries: {n}")?;

@@ -7,7 +7,7 @@
 //! reported whenever the Service is translated, exactly as before.
 use std::net::IpAddr;
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
 
 use crate::model::{Cidr, Proto};
 
@@ -51,7 +51,32 @@ pub struct ServiceView {
     pub affinity_timeout: u32,
     pub external_local: bool,
     pub internal_local: bool,
+    /// ClusterIPs of a Service left to another proxy (`skipped`): traffic to them is not
+    /// ours to drop or reject.
+    pub foreign_cluster_ips: Vec<IpAddr>,
     pub health_check_node_port: Option<i32>,
+}
+
+/// A ServiceCIDR (`networking.k8s.io/v1`, GA in 1.33): the service ranges it declares.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceCidrView {
+    pub name: String,
+    pub cidrs: Vec<Cidr>,
+    /// Ranges that do not parse (reported; the others still apply).
+    pub problems: Vec<String>,
+}
+
+impl From<&ServiceCIDR> for ServiceCidrView {
+    fn from(o: &ServiceCIDR) -> Self {
+        let mut v = ServiceCidrView { name: o.metadata.name.clone().unwrap_or_default(), ..Default::default() };
+        for c in o.spec.iter().flat_map(|s| s.cidrs.iter().flatten()) {
+            match c.parse::<Cidr>() {
+                Ok(c) => v.cidrs.push(c),
+                Err(e) => v.problems.push(format!("ServiceCIDR {}: {e}", v.name)),
+            }
+        }
+        v
+    }
 }
 
 /// One `spec.ports[]` entry (validated at translation, where problems are reported).
@@ -162,6 +187,9 @@ impl From<&Service> for ServiceView {
         if let Some(p) = meta.labels.as_ref().and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)) {
             if p != PROXY_NAME {
                 v.skipped = Some(format!("service-proxy-name is {p:?}"));
+                let spec = svc.spec.as_ref();
+                let ips = spec.and_then(|s| s.cluster_ips.clone()).or_else(|| spec.and_then(|s| s.cluster_ip.clone()).map(|ip| vec![ip])).unwrap_or_default();
+                v.foreign_cluster_ips = ips.iter().filter_map(|ip| ip.parse().ok()).collect();
                 return v;
             }
         }

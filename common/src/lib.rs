@@ -30,6 +30,8 @@ pub const MAP_AFFINITY6: &str = "GN_AFF6";
 pub const MAP_AFFINITY_MATCH6: &str = "GN_AFFMATCH6";
 pub const MAP_SOURCE_RANGES: &str = "GN_SRCRANGE4";
 pub const MAP_SOURCE_RANGES6: &str = "GN_SRCRANGE6";
+/// Service ranges (ServiceCIDRs) and allocated ClusterIPs, both families in one LPM trie.
+pub const MAP_SERVICE_NETS: &str = "GN_SVCNET";
 
 /// Default map sizes; the agent can override them at load time.
 pub const DEFAULT_SERVICES_MAX: u32 = 262_144;
@@ -40,6 +42,21 @@ pub const DEFAULT_AFFINITY_MAX: u32 = 131_072;
 pub const DEFAULT_AFFINITY_MATCH_MAX: u32 = 131_072;
 /// `loadBalancerSourceRanges` entries (frontend x allowed prefix).
 pub const DEFAULT_SOURCE_RANGES_MAX: u32 = 16_384;
+/// ServiceCIDRs plus one entry per ClusterIP.
+pub const DEFAULT_SERVICE_NETS_MAX: u32 = 131_072;
+
+/// `GN_SVCNET` values: what the longest matching prefix of a destination says about it when
+/// no frontend matched. As kube-proxy's nftables proxier: traffic to an unallocated address
+/// of a service range is dropped, to a ClusterIP on a port it does not serve rejected.
+/// Keys are IPv6 addresses; IPv4 ones as `::ffff:a.b.c.d` (prefix length + 96).
+pub const SVCNET_RANGE: u8 = 1;
+/// A ClusterIP of a Service gardenet serves (a /32 or /128 entry).
+pub const SVCNET_CLUSTER_IP: u8 = 2;
+/// A ClusterIP of a Service left to another proxy (`service.kubernetes.io/service-proxy-name`):
+/// passed untouched.
+pub const SVCNET_FOREIGN: u8 = 3;
+/// `::ffff:0:0/96` word 2 in network order (IPv4-mapped IPv6 addresses).
+pub const V4_MAPPED_W2: u32 = 0x0000_ffffu32.to_be();
 
 /// Affinity client kinds: socket LB identifies a client by its network namespace cookie (one
 /// per pod), TC LB by its source address.
@@ -137,8 +154,12 @@ pub enum Stat {
     TcIcmpRevNat = 16,
     /// A frontend whose endpoints are all elsewhere (`SVC_FLAG_DROP`): dropped.
     TcNoLocalBackendDrop = 17,
+    /// A new flow to an unallocated address of a service range: dropped.
+    ServiceRangeDrop = 18,
+    /// A new flow to a ClusterIP on a port it does not serve: rejected.
+    ClusterIpPortReject = 19,
 }
-pub const STATS_LEN: u32 = 18;
+pub const STATS_LEN: u32 = 20;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -158,6 +179,8 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_source_range_drop",
     "tc_icmp_revnat",
     "tc_no_local_backend_drop",
+    "service_range_drop",
+    "cluster_ip_port_reject",
 ];
 
 /// Key of `GN_SVC4`.

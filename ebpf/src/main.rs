@@ -74,6 +74,15 @@ fn source_allowed6(key: &ServiceKey6, client: Ip6) -> bool {
 }
 
 #[map]
+static GN_SVCNET: LpmTrie<Ip6, u8> = LpmTrie::pinned(DEFAULT_SERVICE_NETS_MAX, 0);
+
+/// What `GN_SVCNET` says about a destination without a frontend (`SVCNET_*`, 0: nothing).
+#[inline(always)]
+fn service_net(addr: Ip6) -> u8 {
+    GN_SVCNET.get(Key::new(128, addr)).copied().unwrap_or(0)
+}
+
+#[map]
 static GN_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_LEN, 0);
 
 #[inline(always)]

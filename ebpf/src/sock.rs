@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{node_scope4, node_scope6, select_backend_affine, select_backend_affine6, stat, GN_SK_RNAT4, GN_SK_RNAT6, GN_SVC4, GN_SVC6};
+use crate::{node_scope4, node_scope6, select_backend_affine, select_backend_affine6, service_net, stat, GN_SK_RNAT4, GN_SK_RNAT6, GN_SVC4, GN_SVC6};
 
 /// sock_addr programs return 1 to let the call proceed, 0 to fail it.
 const ALLOW: i32 = 1;
@@ -55,6 +55,18 @@ fn refuse<const RETVAL: bool>(flags: u16) -> i32 {
     REJECT
 }
 
+/// No frontend for the address and port: a ClusterIP on another port is refused, an
+/// unallocated address of a service range unreachable (see `SVCNET_*`); anything else is
+/// not ours.
+#[inline(always)]
+fn unknown_frontend<const RETVAL: bool>(net: u8) -> i32 {
+    match net {
+        SVCNET_CLUSTER_IP => refuse::<RETVAL>(SVC_FLAG_NONE),
+        SVCNET_RANGE => refuse::<RETVAL>(SVC_FLAG_DROP),
+        _ => ALLOW,
+    }
+}
+
 #[cgroup_sock_addr(recvmsg4)]
 pub fn gn_recvmsg4(ctx: SockAddrContext) -> i32 {
     xlate_rev(&ctx);
@@ -79,7 +91,7 @@ fn xlate_fwd<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
     let vport = sa.user_port as u16;
     let key = ServiceKey4::master(vip, vport, proto);
     let Some(master) = (unsafe { GN_SVC4.get(&key) }) else {
-        return ALLOW;
+        return unknown_frontend::<RETVAL>(service_net([0, 0, V4_MAPPED_W2, vip]));
     };
     let (key, master) = node_scope4(key, master);
     // Session affinity per pod: the network namespace cookie identifies the client.
@@ -182,7 +194,7 @@ fn xlate_fwd6<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
     }
     let key = ServiceKey6::master(vip, vport, proto);
     let Some(master) = (unsafe { GN_SVC6.get(&key) }) else {
-        return ALLOW;
+        return unknown_frontend::<RETVAL>(service_net(vip));
     };
     let (key, master) = node_scope6(key, master);
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
@@ -200,9 +212,6 @@ fn xlate_fwd6<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
     ALLOW
 }
 
-/// `::ffff:0:0/96` word 2 in network order.
-const V4_MAPPED_W2: u32 = 0x0000_ffffu32.to_be();
-
 #[inline(always)]
 fn is_v4_mapped(a: &Ip6) -> bool {
     a[0] == 0 && a[1] == 0 && a[2] == V4_MAPPED_W2
@@ -215,7 +224,7 @@ fn is_v4_mapped(a: &Ip6) -> bool {
 fn xlate_fwd_mapped<const RETVAL: bool>(ctx: &SockAddrContext, sa: &mut aya_ebpf::bindings::bpf_sock_addr, proto: u8, vip: u32, vport: u16) -> i32 {
     let key = ServiceKey4::master(vip, vport, proto);
     let Some(master) = (unsafe { GN_SVC4.get(&key) }) else {
-        return ALLOW;
+        return unknown_frontend::<RETVAL>(service_net([0, 0, V4_MAPPED_W2, vip]));
     };
     let (key, master) = node_scope4(key, master);
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };

@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{select_backend_affine, select_backend_affine6, source_allowed, source_allowed6, stat, GN_CT4, GN_CT6, GN_SVC4, GN_SVC6};
+use crate::{select_backend_affine, select_backend_affine6, service_net, source_allowed, source_allowed6, stat, GN_CT4, GN_CT6, GN_SVC4, GN_SVC6};
 
 /// "Not ours, carry on": lets later tcx programs / tc filters run (TCX_NEXT / TC_ACT_UNSPEC).
 const PASS: i32 = -1;
@@ -201,6 +201,17 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     let Some(master) = (unsafe { GN_SVC4.get(&skey) }) else {
         if fresh_syn || f.proto == PROTO_UDP {
             forget_stale(f);
+            match service_net([0, 0, V4_MAPPED_W2, f.daddr]) {
+                SVCNET_CLUSTER_IP => {
+                    stat(Stat::ClusterIpPortReject);
+                    return Some(reject(ctx, f));
+                }
+                SVCNET_RANGE => {
+                    stat(Stat::ServiceRangeDrop);
+                    return Some(DROP);
+                }
+                _ => {}
+            }
         }
         return None;
     };
@@ -856,6 +867,17 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     let Some(master) = (unsafe { GN_SVC6.get(&skey) }) else {
         if fresh_syn || f.proto == PROTO_UDP {
             forget_stale6(f);
+            match service_net(f.daddr) {
+                SVCNET_CLUSTER_IP => {
+                    stat(Stat::ClusterIpPortReject);
+                    return Some(reject6(ctx, f));
+                }
+                SVCNET_RANGE => {
+                    stat(Stat::ServiceRangeDrop);
+                    return Some(DROP);
+                }
+                _ => {}
+            }
         }
         return None;
     };

@@ -414,6 +414,8 @@ fn rbac_is_least_privilege() {
         ("", "services", "watch"),
         ("discovery.k8s.io", "endpointslices", "list"),
         ("discovery.k8s.io", "endpointslices", "watch"),
+        ("networking.k8s.io", "servicecidrs", "list"),
+        ("networking.k8s.io", "servicecidrs", "watch"),
         ("", "nodes", "list"),
         ("", "nodes", "watch"),
         ("", "nodes/status", "patch"),

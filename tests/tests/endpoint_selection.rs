@@ -11,11 +11,36 @@
 //! has its own suite, nodeport_snat).
 use std::time::{Duration, Instant};
 
-use gardenet_tests::lab::{counts, refusal_outcome, Agent, AgentOpts, Lab, NODE_ADDR, NODE_NAME, SERVER_PORT};
+use gardenet_tests::lab::{backend_ip, backend_ip6, counts, refusal_outcome, Agent, AgentOpts, Lab, NODE_ADDR, NODE_ADDR6, NODE_NAME, SERVER_PORT};
 use serde_json::Value;
 
-const VIP: &str = "198.19.0.40";
 const NODE_PORT: u16 = 30040;
+
+/// The address family a run of the table uses (the same cases, the same code path).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn vip(self) -> &'static str {
+        if self == Family::V4 { "198.19.0.40" } else { "fd00:19::40" }
+    }
+    fn node_addr(self) -> &'static str {
+        if self == Family::V4 { NODE_ADDR } else { NODE_ADDR6 }
+    }
+    fn backend(self, i: usize) -> String {
+        if self == Family::V4 { backend_ip(i) } else { format!("\"{}\"", backend_ip6(i)) }
+    }
+    /// `ADDR:PORT` as a socket address (IPv6 in brackets).
+    fn sock(self, addr: &str, port: u16) -> String {
+        if self == Family::V4 { format!("{addr}:{port}") } else { format!("[{addr}]:{port}") }
+    }
+    fn name(self) -> &'static str {
+        if self == Family::V4 { "IPv4" } else { "IPv6" }
+    }
+}
 
 /// One endpoint: backend index, node name, ready/serving/terminating, zone and node hints.
 struct Ep {
@@ -32,27 +57,32 @@ const fn ep(be: usize, node: &'static str) -> Ep {
 }
 
 fn node_yaml() -> String {
-    format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}, labels: {{topology.kubernetes.io/zone: zone-a}}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}]\n")
+    format!(
+        "apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}, labels: {{topology.kubernetes.io/zone: zone-a}}}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_ADDR}}}, {{type: InternalIP, address: \"{NODE_ADDR6}\"}}]\n"
+    )
 }
 
-/// A NodePort Service (ClusterIP `VIP`, NodePort `NODE_PORT`) with the given policies.
-fn service(etp_local: bool, itp_local: bool) -> String {
+/// A single-stack NodePort Service (NodePort `NODE_PORT`) with the given policies.
+fn service(fam: Family, etp_local: bool, itp_local: bool) -> String {
     format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: sel, namespace: lab}}\nspec:\n  type: NodePort\n  clusterIP: {VIP}\n  externalTrafficPolicy: {}\n  internalTrafficPolicy: {}\n  ports:\n  - {{name: p-tcp, port: 80, targetPort: {SERVER_PORT}, nodePort: {NODE_PORT}, protocol: TCP}}\n",
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: sel, namespace: lab}}\nspec:\n  type: NodePort\n  ipFamilies: [{}]\n  clusterIP: \"{}\"\n  externalTrafficPolicy: {}\n  internalTrafficPolicy: {}\n  ports:\n  - {{name: p-tcp, port: 80, targetPort: {SERVER_PORT}, nodePort: {NODE_PORT}, protocol: TCP}}\n",
+        fam.name(),
+        fam.vip(),
         if etp_local { "Local" } else { "Cluster" },
         if itp_local { "Local" } else { "Cluster" },
     )
 }
 
-fn slice(eps: &[Ep]) -> String {
+fn slice(fam: Family, eps: &[Ep]) -> String {
     let mut out = format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: sel-1, namespace: lab, labels: {{kubernetes.io/service-name: sel}}}}\naddressType: IPv4\nports: [{{name: p-tcp, port: {SERVER_PORT}, protocol: TCP}}]\nendpoints:"
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: sel-1, namespace: lab, labels: {{kubernetes.io/service-name: sel}}}}\naddressType: {}\nports: [{{name: p-tcp, port: {SERVER_PORT}, protocol: TCP}}]\nendpoints:",
+        fam.name()
     );
     if eps.is_empty() {
         out.push_str(" []\n");
     }
     for e in eps {
-        out.push_str(&format!("\n- addresses: [{}]\n  conditions: {}\n  nodeName: {}", gardenet_tests::lab::backend_ip(e.be), e.cond, e.node));
+        out.push_str(&format!("\n- addresses: [{}]\n  conditions: {}\n  nodeName: {}", fam.backend(e.be), e.cond, e.node));
         let mut hints = Vec::new();
         if !e.zones.is_empty() {
             hints.push(format!("forZones: [{}]", e.zones.iter().map(|z| format!("{{name: {z}}}")).collect::<Vec<_>>().join(", ")));
@@ -89,10 +119,10 @@ enum Path {
     OutsideNodePort,
 }
 
-fn probe(lab: &Lab, path: Path, want: Want) -> Value {
+fn probe(lab: &Lab, fam: Family, path: Path, want: Want) -> Value {
     let to = match path {
-        Path::SocketClusterIp | Path::TcClusterIp => format!("{VIP}:80"),
-        Path::SocketNodePort | Path::OutsideNodePort => format!("{NODE_ADDR}:{NODE_PORT}"),
+        Path::SocketClusterIp | Path::TcClusterIp => fam.sock(fam.vip(), 80),
+        Path::SocketNodePort | Path::OutsideNodePort => fam.sock(fam.node_addr(), NODE_PORT),
     };
     let socket = matches!(path, Path::SocketClusterIp | Path::SocketNodePort);
     match want {
@@ -251,43 +281,57 @@ const CASES: &[Case] = &[
     },
 ];
 
+/// One lab at a time: the tests share the machine's two cores.
+static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn endpoints_answer_as_kube_proxy_chooses_them() {
+    let _serial = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let lab = Lab::new(4).expect("lab");
+    lab.wait_servers6().expect("IPv6 servers");
     let agent = Agent::start(
         &lab,
         AgentOpts { socket_lb: true, tc: true, ..Default::default() },
-        &[("node.yaml", node_yaml()), ("svc.yaml", service(false, false)), ("eps.yaml", slice(&[ep(0, NODE_NAME)]))],
+        &[("node.yaml", node_yaml()), ("svc.yaml", service(Family::V4, false, false)), ("eps.yaml", slice(Family::V4, &[ep(0, NODE_NAME)]))],
     )
     .expect("agent");
-    agent.wait_backends(&format!("{VIP}:80/tcp"), 1).unwrap();
+    agent.wait_backends(&format!("{}:80/tcp", Family::V4.vip()), 1).unwrap();
     let mut report = Vec::new();
-    for case in CASES {
-        agent.write("svc.yaml", &service(case.etp_local, case.itp_local)).unwrap();
-        agent.write("eps.yaml", &slice(case.eps)).unwrap();
-        for (path, want) in case.checks {
-            // Each check retries until the agent has programmed the case (it polls its
-            // directory every 100 ms) or 10 s pass.
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let v = loop {
-                let v = probe(&lab, *path, *want);
-                if matches(&v, *path, *want) || Instant::now() > deadline {
-                    break v;
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            };
-            assert!(matches(&v, *path, *want), "{}: {path:?} should be {want:?}, got {v}\nlb list: {}", case.name, agent.lb_list().unwrap());
-            report.push(format!("{:<100} {path:?}: {want:?}", case.name));
+    for fam in [Family::V4, Family::V6] {
+        for case in CASES {
+            agent.write("svc.yaml", &service(fam, case.etp_local, case.itp_local)).unwrap();
+            agent.write("eps.yaml", &slice(fam, case.eps)).unwrap();
+            for (path, want) in case.checks {
+                // Each check retries until the agent has programmed the case (it polls its
+                // directory every 100 ms) or 10 s pass.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let v = loop {
+                    let v = probe(&lab, fam, *path, *want);
+                    if matches(&v, *path, *want) || Instant::now() > deadline {
+                        break v;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                };
+                assert!(matches(&v, *path, *want), "{} ({fam:?}): {path:?} should be {want:?}, got {v}\nlb list: {}", case.name, agent.lb_list().unwrap());
+                report.push(format!("{:<100} {fam:?} {path:?}: {want:?}", case.name));
+            }
         }
+        assert_lb_list_says_drop_or_reject(&agent, fam);
     }
-    // `lb list` says which frontends drop and which reject.
-    agent.write("svc.yaml", &service(true, true)).unwrap();
-    agent.write("eps.yaml", &slice(&[ep(1, "n2")])).unwrap();
+    eprintln!("endpoint selection, {} checks passed:\n{}", report.len(), report.join("\n"));
+}
+
+/// `lb list` says which frontends drop and which reject.
+fn assert_lb_list_says_drop_or_reject(agent: &Agent, fam: Family) {
+    agent.write("svc.yaml", &service(fam, true, true)).unwrap();
+    agent.write("eps.yaml", &slice(fam, &[ep(1, "n2")])).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let list = agent.lb_list().unwrap();
-        let of = |fe: &str| list.as_array().unwrap().iter().find(|f| format!("{}:{}{}", f["frontend"]["addr"].as_str().unwrap(), f["frontend"]["port"], f["frontend"]["scope"].as_str().map(|s| format!("@{s}")).unwrap_or_default()) == fe).cloned();
-        let (cip, np, np_node) = (of(&format!("{VIP}:80")), of(&format!("{NODE_ADDR}:{NODE_PORT}")), of(&format!("{NODE_ADDR}:{NODE_PORT}@this-node")));
+        let of = |addr: &str, port: u16, scope: &str| {
+            list.as_array().unwrap().iter().find(|f| f["frontend"]["addr"] == addr && f["frontend"]["port"] == port && f["frontend"]["scope"].as_str().unwrap_or("") == scope).cloned()
+        };
+        let (cip, np, np_node) = (of(fam.vip(), 80, ""), of(fam.node_addr(), NODE_PORT, ""), of(fam.node_addr(), NODE_PORT, "this-node"));
         if let (Some(cip), Some(np), Some(np_node)) = (&cip, &np, &np_node) {
             if cip["when_empty"] == "drop" && np["when_empty"] == "drop" && np["two_scopes"] == true && np_node["backends"].as_array().unwrap().len() == 1 {
                 break;
@@ -296,11 +340,69 @@ fn endpoints_answer_as_kube_proxy_chooses_them() {
         assert!(Instant::now() < deadline, "lb list: {list}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    agent.write("eps.yaml", &slice(&[])).unwrap();
+    agent.write("eps.yaml", &slice(fam, &[])).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !agent.lb_list().unwrap().as_array().unwrap().iter().all(|f| f["when_empty"] == "reject") {
         assert!(Instant::now() < deadline, "no endpoints at all: every frontend rejects: {}", agent.lb_list().unwrap());
         std::thread::sleep(Duration::from_millis(100));
     }
-    eprintln!("endpoint selection, {} checks passed:\n{}", report.len(), report.join("\n"));
+}
+
+fn service_cidr(cidrs: &[&str]) -> String {
+    format!(
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec:\n  cidrs: [{}]\n",
+        cidrs.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ")
+    )
+}
+
+/// Like kube-proxy's nftables proxier: with ServiceCIDRs, a new connection to an unallocated
+/// address of a service range is dropped, to a ClusterIP on a port it does not serve
+/// rejected; another proxy's ClusterIPs are left alone.
+#[test]
+fn service_ranges_drop_unallocated_addresses_and_reject_unknown_ports() {
+    let _serial = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let lab = Lab::new(1).expect("lab");
+    lab.wait_servers6().expect("IPv6 servers");
+    let foreign = "apiVersion: v1\nkind: Service\nmetadata: {name: other, namespace: lab, labels: {service.kubernetes.io/service-proxy-name: someone-else}}\nspec:\n  clusterIP: 198.19.0.77\n  ports: [{port: 80}]\n";
+    let agent = Agent::start(
+        &lab,
+        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        &[
+            ("node.yaml", node_yaml()),
+            ("svc.yaml", service(Family::V4, false, false)),
+            ("svc6.yaml", service(Family::V6, false, false).replace("name: sel,", "name: sel6,")),
+            ("eps.yaml", slice(Family::V4, &[ep(0, NODE_NAME)])),
+            ("eps6.yaml", slice(Family::V6, &[ep(0, NODE_NAME)]).replace("name: sel-1", "name: sel6-1").replace("service-name: sel}", "service-name: sel6}")),
+            ("other.yaml", foreign.to_string()),
+            ("cidr.yaml", service_cidr(&["198.19.0.0/16", "fd00:19::/112"])),
+        ],
+    )
+    .expect("agent");
+    agent.wait_backends("198.19.0.40:80/tcp", 1).unwrap();
+    agent.wait_backends("[fd00:19::40]:80/tcp", 1).unwrap();
+    let connect = |socket: bool, to: &str| lab.client_json(socket, &["connect", "--to", to, "--timeout-ms", "700"]).unwrap()["outcome"].as_str().unwrap().to_owned();
+    let dropped_socket = if refusal_outcome(true) == "PermissionDenied" { "PermissionDenied" } else { "HostUnreachable" };
+    let eventually = |what: &str, f: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    for (vip, other) in [("198.19.0.40", "198.19.0.99"), ("[fd00:19::40]", "[fd00:19::99]")] {
+        for socket in [true, false] {
+            let served = lab.client_json(socket, &["tcp", "--to", &format!("{vip}:80"), "--count", "3"]).unwrap();
+            assert_eq!(counts(&served), [("be1".to_string(), 3)], "{vip}:80 socket LB {socket}: {served}");
+            eventually(&format!("{vip}:81 (a port the ClusterIP does not serve) refused, socket LB {socket}"), &|| connect(socket, &format!("{vip}:81")) == refusal_outcome(socket));
+            let want = if socket { dropped_socket } else { "TimedOut" };
+            eventually(&format!("{other}:80 (unallocated) dropped, socket LB {socket}"), &|| connect(socket, &format!("{other}:80")) == want);
+        }
+    }
+    // Another proxy's ClusterIP: not ours to drop; the node has no route for it, so the
+    // client hears that at once instead of timing out.
+    let foreign_outcome = connect(false, "198.19.0.77:80");
+    assert!(foreign_outcome.ends_with("Unreachable"), "198.19.0.77 is another proxy's: {foreign_outcome}");
+    // Without ServiceCIDRs the ranges are not enforced any more.
+    agent.write("cidr.yaml", "").unwrap();
+    eventually("ServiceCIDR gone: 198.19.0.99 no longer dropped", &|| connect(false, "198.19.0.99:80").ends_with("Unreachable"));
 }

@@ -141,6 +141,8 @@ fn describe(event: &SourceEvent) -> String {
         SourceEvent::Resync => "resync".into(),
         SourceEvent::Synced => "synced".into(),
         SourceEvent::LocalRedirectChanged(r) => format!("redirect {}", r.service),
+        SourceEvent::ServiceCidrApplied(o) => format!("+servicecidr {}", o.name),
+        SourceEvent::ServiceCidrDeleted(o) => format!("-servicecidr {}", o.name),
     }
 }
 

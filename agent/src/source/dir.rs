@@ -12,12 +12,12 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
 use super::{EventTx, SourceEvent};
-use crate::view::{ServiceView, SliceView};
+use crate::view::{ServiceCidrView, ServiceView, SliceView};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Object {
@@ -25,6 +25,7 @@ pub enum Object {
     Slice(Arc<SliceView>),
     /// Only this agent's own Node is kept (its addresses serve NodePorts).
     Node(Arc<Node>),
+    ServiceCidr(Arc<ServiceCidrView>),
 }
 
 impl Object {
@@ -33,6 +34,7 @@ impl Object {
             Object::Service(s) => SourceEvent::ServiceApplied(s.clone()),
             Object::Slice(s) => SourceEvent::SliceApplied(s.clone()),
             Object::Node(n) => SourceEvent::NodeApplied(n.clone()),
+            Object::ServiceCidr(c) => SourceEvent::ServiceCidrApplied(c.clone()),
         }
     }
     fn deleted(&self) -> Option<SourceEvent> {
@@ -41,6 +43,7 @@ impl Object {
             Object::Slice(s) => Some(SourceEvent::SliceDeleted(s.clone())),
             // The node's addresses stay as they were (the kube source behaves alike).
             Object::Node(_) => None,
+            Object::ServiceCidr(c) => Some(SourceEvent::ServiceCidrDeleted(c.clone())),
         }
     }
 }
@@ -73,6 +76,10 @@ pub fn parse_manifests(text: &str, origin: &str) -> Result<Vec<(ObjKey, Object)>
             "EndpointSlice" => {
                 let o: EndpointSlice = typed(v, &what)?;
                 ("EndpointSlice", ns_of(&o.metadata), name_of(&o.metadata)?, Object::Slice(Arc::new(SliceView::from(&o))))
+            }
+            "ServiceCIDR" => {
+                let o: ServiceCIDR = typed(v, &what)?;
+                ("ServiceCIDR", String::new(), name_of(&o.metadata)?, Object::ServiceCidr(Arc::new(ServiceCidrView::from(&o))))
             }
             "Node" => {
                 let o: Node = typed(v, &what)?;

@@ -34,6 +34,7 @@ use futures::{stream, Stream, StreamExt};
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use kube::{
     config::{KubeConfigOptions, Kubeconfig},
@@ -46,7 +47,7 @@ use kube::{
 use serde::de::DeserializeOwned;
 
 use super::{EventTx, SourceEvent};
-use crate::view::{ServiceView, SliceView};
+use crate::view::{ServiceCidrView, ServiceView, SliceView};
 
 /// Builds a client from `kubeconfig` if given, else from the environment (`KUBECONFIG`,
 /// `~/.kube/config`, then the in-cluster service account).
@@ -73,7 +74,8 @@ pub async fn run(client: Client, node_name: String, tx: EventTx) -> anyhow::Resu
     // Lists come in pages (kube's default, spelled out because the memory budget rests on
     // it): 100,000 endpoints decoded in one response would be a peak of over 100 MiB.
     let paged = || watcher::Config::default().page_size(500);
-    let mut events = stream::select_all([
+    let service_cidrs = has_service_cidrs(&client).await;
+    let mut streams = vec![
         watch(
             Api::<Service>::all(client.clone()),
             paged(),
@@ -87,14 +89,20 @@ pub async fn run(client: Client, node_name: String, tx: EventTx) -> anyhow::Resu
         )
         .boxed(),
         watch(
-            Api::<Node>::all(client),
+            Api::<Node>::all(client.clone()),
             paged().fields(&node_selector),
             Kind::Node,
         )
         .boxed(),
-    ]);
+    ];
+    let mut kinds = vec![Kind::Service, Kind::Slice, Kind::Node];
+    if service_cidrs {
+        streams.push(watch(Api::<ServiceCIDR>::all(client), paged(), Kind::ServiceCidr).boxed());
+        kinds.push(Kind::ServiceCidr);
+    }
+    let mut events = stream::select_all(streams);
 
-    let mut sync = SyncState::default();
+    let mut sync = SyncState::new(&kinds);
     while let Some((kind, event)) = events.next().await {
         match event {
             Ok(event) => {
@@ -118,6 +126,7 @@ enum Kind {
     Service,
     Slice,
     Node,
+    ServiceCidr,
 }
 
 #[derive(Clone, Debug)]
@@ -125,6 +134,7 @@ enum Obj {
     Service(Arc<ServiceView>),
     Slice(Arc<SliceView>),
     Node(Arc<Node>),
+    ServiceCidr(Arc<ServiceCidrView>),
 }
 
 // Services and slices are digested on arrival (the object itself is dropped right away);
@@ -144,6 +154,11 @@ impl From<Node> for Obj {
         Obj::Node(Arc::new(o))
     }
 }
+impl From<ServiceCIDR> for Obj {
+    fn from(o: ServiceCIDR) -> Self {
+        Obj::ServiceCidr(Arc::new(ServiceCidrView::from(&o)))
+    }
+}
 
 /// (namespace, name): unique within one kind.
 type Key = (String, String);
@@ -154,6 +169,7 @@ impl Obj {
             Obj::Service(o) => (o.namespace.clone(), o.name.clone()),
             Obj::Slice(o) => (o.namespace.clone(), o.name.clone()),
             Obj::Node(o) => (String::new(), o.name_any()),
+            Obj::ServiceCidr(o) => (String::new(), o.name.clone()),
         }
     }
 
@@ -162,6 +178,7 @@ impl Obj {
             Obj::Service(o) => SourceEvent::ServiceApplied(o),
             Obj::Slice(o) => SourceEvent::SliceApplied(o),
             Obj::Node(o) => SourceEvent::NodeApplied(o),
+            Obj::ServiceCidr(o) => SourceEvent::ServiceCidrApplied(o),
         }
     }
 
@@ -171,6 +188,7 @@ impl Obj {
             Obj::Service(o) => Some(SourceEvent::ServiceDeleted(o)),
             Obj::Slice(o) => Some(SourceEvent::SliceDeleted(o)),
             Obj::Node(_) => None,
+            Obj::ServiceCidr(o) => Some(SourceEvent::ServiceCidrDeleted(o)),
         }
     }
 }
@@ -223,12 +241,40 @@ struct SyncState {
 
 impl Default for SyncState {
     fn default() -> Self {
-        // Until every kind has listed once, no snapshot (and so no `Synced`) may go out.
-        let empty = || [Kind::Service, Kind::Slice, Kind::Node].map(|k| (k, BTreeMap::new()));
-        SyncState {
-            known: empty().into(),
-            listing: empty().into(),
-            snapshot_due: true,
+        SyncState::new(&[Kind::Service, Kind::Slice, Kind::Node])
+    }
+}
+
+impl SyncState {
+    /// Until every one of `kinds` has listed once, no snapshot (and so no `Synced`) goes out.
+    fn new(kinds: &[Kind]) -> Self {
+        let empty = || kinds.iter().map(|k| (*k, BTreeMap::new())).collect::<BTreeMap<_, _>>();
+        SyncState { known: empty(), listing: empty(), snapshot_due: true }
+    }
+}
+
+/// Whether the API server serves ServiceCIDRs (`networking.k8s.io/v1`, Kubernetes 1.33+).
+/// Asked until it answers either way: an API server that is down now must not turn the
+/// feature off for the agent's lifetime.
+async fn has_service_cidrs(client: &Client) -> bool {
+    let api = Api::<ServiceCIDR>::all(client.clone());
+    let mut delay = std::time::Duration::from_millis(200);
+    loop {
+        match api.list_metadata(&kube::api::ListParams::default().limit(1)).await {
+            Ok(_) => return true,
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                tracing::info!("the API server has no networking.k8s.io/v1 ServiceCIDRs (Kubernetes < 1.33): service ranges are not enforced");
+                return false;
+            }
+            Err(kube::Error::Api(e)) if e.code == 403 => {
+                tracing::warn!("not allowed to list ServiceCIDRs ({}): service ranges are not enforced; grant list/watch on servicecidrs.networking.k8s.io", e.message);
+                return false;
+            }
+            Err(e) => {
+                tracing::warn!("asking for ServiceCIDRs: {e}; retrying in {delay:?}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(std::time::Duration::from_secs(10));
+            }
         }
     }
 }
@@ -336,6 +382,8 @@ mod tests {
                 SourceEvent::Synced => "synced".into(),
                 SourceEvent::Resync => "resync".into(),
                 SourceEvent::LocalRedirectChanged(r) => format!("redirect {}", r.service),
+                SourceEvent::ServiceCidrApplied(o) => format!("+servicecidr {}", o.name),
+                SourceEvent::ServiceCidrDeleted(o) => format!("-servicecidr {}", o.name),
             })
             .collect()
     }

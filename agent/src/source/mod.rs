@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::Node;
 
 use crate::{
     translate::LocalRedirect,
-    view::{ServiceView, SliceView},
+    view::{ServiceCidrView, ServiceView, SliceView},
 };
 
 pub mod dir;
@@ -23,6 +23,9 @@ pub enum SourceEvent {
     SliceDeleted(Arc<SliceView>),
     /// This agent's own Node (addresses, zone).
     NodeApplied(Arc<Node>),
+    /// A ServiceCIDR (service ranges): unallocated addresses in them are dropped.
+    ServiceCidrApplied(Arc<ServiceCidrView>),
+    ServiceCidrDeleted(Arc<ServiceCidrView>),
     /// Everything the source had at start (or after a relist) has been sent: the agent may
     /// now program the dataplane and report ready. Objects not re-sent since the last
     /// `Resync` started are gone.
