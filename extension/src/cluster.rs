@@ -61,6 +61,22 @@ pub struct ShootSpec {
     pub hibernation: Option<Hibernation>,
     #[serde(default)]
     pub dns: Option<Dns>,
+    #[serde(default)]
+    pub system_components: Option<SystemComponents>,
+}
+
+/// `spec.systemComponents`: only `nodeLocalDNS` matters to gardenet.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SystemComponents {
+    #[serde(default, rename = "nodeLocalDNS")]
+    pub node_local_dns: Option<Enabled>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Enabled {
+    #[serde(default)]
+    pub enabled: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -154,6 +170,11 @@ impl Shoot {
             .as_ref()
             .and_then(|k| k.enabled)
             .unwrap_or(true)
+    }
+
+    /// The shoot runs Gardener's node-local DNS cache (`spec.systemComponents.nodeLocalDNS`).
+    pub fn node_local_dns_enabled(&self) -> bool {
+        self.spec.system_components.as_ref().and_then(|c| c.node_local_dns.as_ref()).is_some_and(|d| d.enabled)
     }
 
     /// Gardener's `IsShootFailed` (`extensions/pkg/controller/shoot.go`): the shoot's last

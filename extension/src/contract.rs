@@ -196,7 +196,12 @@ pub struct Plan {
 /// Validates a Network against its Shoot and derives the [`Plan`].
 pub fn plan(spec: &NetworkSpec, shoot: &Shoot) -> Result<Plan, PlanError> {
     let kube_proxy_enabled = shoot.kube_proxy_enabled();
-    let config = parse_config(spec.provider_config.as_ref(), "spec.providerConfig").map_err(|p| Problems(vec![p]))?;
+    let mut config = parse_config(spec.provider_config.as_ref(), "spec.providerConfig").map_err(|p| Problems(vec![p]))?;
+    // A shoot with Gardener's node-local DNS needs the redirect: socket LB would otherwise
+    // translate the kube-dns ClusterIP to a CoreDNS pod before the cache could see a query.
+    if shoot.node_local_dns_enabled() {
+        config.node_local_dns.enabled = true;
+    }
     let routing = config.service_routing(kube_proxy_enabled);
     let mut problems = check_routing(&config, kube_proxy_enabled);
     problems.extend(check_network(
@@ -254,6 +259,18 @@ mod tests {
         let mut v = json!({"apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig"});
         v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         v
+    }
+
+    #[test]
+    fn node_local_dns_of_the_shoot_turns_on_the_redirect() {
+        let mut s = json!({"spec": {"kubernetes": {"kubeProxy": {"enabled": false}}, "systemComponents": {"nodeLocalDNS": {"enabled": true}}}});
+        s["status"] = json!({"advertisedAddresses": [{"name": "external", "url": "https://api.example.com"}]});
+        let with: Shoot = serde_json::from_value(s).unwrap();
+        let p = plan(&spec(None), &with).unwrap();
+        assert!(p.config.node_local_dns.enabled);
+        assert_eq!(p.config.local_redirect_rules().len(), 1);
+        let p = plan(&spec(None), &shoot(false, true)).unwrap();
+        assert!(!p.config.node_local_dns.enabled, "no node-local DNS in the shoot: no redirect");
     }
 
     #[test]

@@ -176,10 +176,12 @@ fn is_watch(request: &RecordedRequest) -> bool {
     query(request, "watch").as_deref() == Some("true")
 }
 
-const COLLECTIONS: [&str; 3] = [
+const COLLECTIONS: [&str; 4] = [
     "/api/v1/services",
     "/apis/discovery.k8s.io/v1/endpointslices",
     "/api/v1/nodes",
+    // Served by the double as by a 1.33+ API server, so the source watches ServiceCIDRs too.
+    "/apis/networking.k8s.io/v1/servicecidrs",
 ];
 
 #[tokio::test]
@@ -227,6 +229,21 @@ async fn initial_list_is_one_snapshot() {
             "no watch on {path}"
         );
     }
+}
+
+/// ServiceCIDRs (Kubernetes 1.33+) are part of the snapshot and followed like the rest.
+#[tokio::test]
+async fn service_cidrs_are_watched() {
+    let server = ApiServer::start().await;
+    server.apply(service("default", "a", 80));
+    server.apply(node(NODE));
+    server.apply(json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/16"]}}));
+    let mut h = Harness::start(server, "servicecidrs").await;
+    assert_eq!(h.take(5).await, ["resync", "+svc default/a", "+node node-a", "+servicecidr kubernetes", "synced"]);
+    h.server.apply(json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": "extra"}, "spec": {"cidrs": ["10.97.0.0/24"]}}));
+    assert_eq!(h.take(1).await, ["+servicecidr extra"]);
+    h.server.delete("ServiceCIDR", None, "extra").expect("extra existed");
+    assert_eq!(h.take(1).await, ["-servicecidr extra"]);
 }
 
 /// Large lists come in pages (the agent's memory budget rests on it) and still make one
@@ -381,8 +398,8 @@ async fn compaction_relists_and_drops_what_vanished() {
             .all(|path| rs.iter().any(|r| r.path == *path && !is_watch(r)))
     })
     .await;
-    // The three relists may or may not overlap (their backoff has jitter), so there are one to
-    // three snapshots, each complete as far as the source knew at the time (one sent before the
+    // The four relists may or may not overlap (their backoff has jitter), so there are one to
+    // four snapshots, each complete as far as the source knew at the time (one sent before the
     // Services were relisted still has `b`). The last one is the current state.
     let current = [
         "resync",
@@ -398,7 +415,7 @@ async fn compaction_relists_and_drops_what_vanished() {
     }
     events.extend(h.drain(Duration::from_millis(500)).await);
     let windows = snapshots(&events);
-    assert!((1..=3).contains(&windows.len()), "{events:?}");
+    assert!((1..=4).contains(&windows.len()), "{events:?}");
     assert_eq!(windows.last().unwrap(), &current, "{events:?}");
     // Every watch that resumed from before the compaction was told 410.
     let expired = h.server.requests()[since..]

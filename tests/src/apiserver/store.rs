@@ -29,6 +29,7 @@ const KINDS: &[(&str, &str, &str, bool)] = &[
         true,
     ),
     ("coordination.k8s.io/v1", "Lease", "leases", true),
+    ("networking.k8s.io/v1", "ServiceCIDR", "servicecidrs", false),
     ("events.k8s.io/v1", "Event", "events", true),
     (
         "extensions.gardener.cloud/v1alpha1",
