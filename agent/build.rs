@@ -9,9 +9,6 @@ fn main() {
     println!("cargo:rerun-if-changed={}", src.display());
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("gardenet.bpf.o");
     if let Err(e) = fs::copy(&src, &out) {
-        panic!(
-            "\n\nThe eBPF object {} is missing ({e}).\nBuild it first with:\n\n    cargo xtask build-ebpf\n\n",
-            src.display()
-        );
+        panic!("\n\nThe eBPF object {} is missing ({e}).\nBuild it first with:\n\n    cargo xtask build-ebpf\n\n", src.display());
     }
 }

@@ -186,8 +186,8 @@ impl Dataplane {
         };
         let pin = self.pin_dir.join("links").join(format!("{}-{key}", hook.replace('/', "-")));
         let fd = self.ebpf.program(prog).with_context(|| format!("program {prog} missing"))?.fd()?.as_fd().try_clone_to_owned()?;
-        let (link, how) = pinned_link::attach_pinned(fd.as_fd(), target_raw, want, ty, flags, &pin)
-            .with_context(|| format!("attaching {prog} ({hook}) to {target}"))?;
+        let (link, how) =
+            pinned_link::attach_pinned(fd.as_fd(), target_raw, want, ty, flags, &pin).with_context(|| format!("attaching {prog} ({hook}) to {target}"))?;
         self.links.retain(|l| l.pin.as_ref() != Some(&pin));
         let ifindex = match want {
             Target::Ifindex(i) => Some(i),
@@ -242,8 +242,7 @@ impl Dataplane {
         let id = pinned_link::cgroup_id(cgroup)?;
         let target = cgroup.display().to_string();
         for (name, ty, hook) in sock_programs(&self.features) {
-            self.attach_link(name, f.as_raw_fd() as u32, Target::Cgroup { id }, ty, hook, "cgroup")
-                .with_context(|| format!("cgroup {target}"))?;
+            self.attach_link(name, f.as_raw_fd() as u32, Target::Cgroup { id }, ty, hook, "cgroup").with_context(|| format!("cgroup {target}"))?;
         }
         Ok(())
     }
@@ -288,10 +287,7 @@ impl Dataplane {
 
     fn attach_tc_index(&mut self, iface: &str, ifindex: u32) -> Result<()> {
         if self.features.tcx {
-            for (name, ty, hook) in [
-                (PROG_TC_INGRESS, AttachType::TcxIngress, "tc/ingress"),
-                (PROG_TC_EGRESS, AttachType::TcxEgress, "tc/egress"),
-            ] {
+            for (name, ty, hook) in [(PROG_TC_INGRESS, AttachType::TcxIngress, "tc/ingress"), (PROG_TC_EGRESS, AttachType::TcxEgress, "tc/egress")] {
                 self.attach_link(name, ifindex, Target::Ifindex(ifindex), ty, hook, iface)?;
             }
             return Ok(());
@@ -561,8 +557,12 @@ impl LbMaps for AyaLbMaps {
     }
     fn del_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
         match key {
-            RangeKey::V4(len, d) => ignore_missing(self.ranges.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES, format!("delete {key:?}"), e)),
-            RangeKey::V6(len, d) => ignore_missing(self.ranges6.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES6, format!("delete {key:?}"), e)),
+            RangeKey::V4(len, d) => {
+                ignore_missing(self.ranges.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES, format!("delete {key:?}"), e))
+            }
+            RangeKey::V6(len, d) => {
+                ignore_missing(self.ranges6.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES6, format!("delete {key:?}"), e))
+            }
         }
     }
     fn put_service_net(&mut self, net: &Cidr, kind: ServiceNet) -> Result<(), MapError> {
@@ -578,22 +578,16 @@ impl LbMaps for AyaLbMaps {
 const MAP_SERVICES_NAME: &str = MAP_SERVICES;
 const MAP_BACKENDS_NAME: &str = MAP_BACKENDS;
 
-fn dump_maps(
-    services: &BpfHashMap<MapData, ServiceKey4, ServiceValue4>,
-    backends: &BpfHashMap<MapData, u32, Backend4>,
-) -> MapDump {
-    MapDump {
-        services: services.iter().filter_map(|r| r.ok()).collect(),
-        backends: backends.iter().filter_map(|r| r.ok()).collect(),
-        ..Default::default()
-    }
+fn dump_maps(services: &BpfHashMap<MapData, ServiceKey4, ServiceValue4>, backends: &BpfHashMap<MapData, u32, Backend4>) -> MapDump {
+    MapDump { services: services.iter().filter_map(|r| r.ok()).collect(), backends: backends.iter().filter_map(|r| r.ok()).collect(), ..Default::default() }
 }
 
 /// Reads the pinned maps of a (possibly running) agent: what `lb list` shows.
 pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
     let open = |name: &str| -> Result<Map> {
         let p = pin_dir.join(name);
-        let data = MapData::from_pin(&p).with_context(|| format!("opening pinned map {} (is the agent running with --bpffs {}?)", p.display(), pin_dir.display()))?;
+        let data =
+            MapData::from_pin(&p).with_context(|| format!("opening pinned map {} (is the agent running with --bpffs {}?)", p.display(), pin_dir.display()))?;
         Ok(Map::HashMap(data))
     };
     let services: BpfHashMap<MapData, ServiceKey4, ServiceValue4> = BpfHashMap::try_from(open(MAP_SERVICES)?)?;
@@ -625,11 +619,8 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
 /// Walks the whole map: call it off the run loop. Returns the number of flows removed.
 pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::model::Backend)]) -> Result<usize> {
     use std::net::IpAddr;
-    let wanted: HashSet<FlowId> = stale
-        .iter()
-        .filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4())
-        .map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port))
-        .collect();
+    let wanted: HashSet<FlowId> =
+        stale.iter().filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4()).map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port)).collect();
     let mut purged = 0;
     if wanted.iter().any(|k| k.0.is_ipv4()) {
         let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT))?))?;

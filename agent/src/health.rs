@@ -82,11 +82,7 @@ pub struct Readiness {
 impl Readiness {
     /// `Ok` when ready, else every reason it is not, in a stable order.
     pub fn ready(&self) -> Result<(), Vec<String>> {
-        let mut reasons: Vec<String> = self
-            .missing
-            .iter()
-            .map(|m| format!("missing prerequisite: {m}"))
-            .collect();
+        let mut reasons: Vec<String> = self.missing.iter().map(|m| format!("missing prerequisite: {m}")).collect();
         reasons.extend(self.pending());
         if reasons.is_empty() {
             Ok(())
@@ -111,9 +107,7 @@ impl Readiness {
             }
         }
         if !self.synced {
-            reasons.push(
-                "first full sync of Services and EndpointSlices is not programmed yet".to_owned(),
-            );
+            reasons.push("first full sync of Services and EndpointSlices is not programmed yet".to_owned());
         }
         reasons
     }
@@ -165,17 +159,11 @@ impl AgentState {
 
     /// A copy of the current readiness parts.
     pub fn snapshot(&self) -> Readiness {
-        self.readiness
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.readiness.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn ready(&self) -> Result<(), Vec<String>> {
-        self.readiness
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .ready()
+        self.readiness.read().unwrap_or_else(|e| e.into_inner()).ready()
     }
 
     /// Changes readiness parts; subscribers are woken only if the verdict or its reasons
@@ -200,8 +188,7 @@ impl AgentState {
     /// Registers a selected interface and its attachment (`error` when attaching failed).
     pub fn set_interface(&self, name: &str, attached: bool, error: Option<String>) {
         self.update(|r| {
-            r.interfaces
-                .insert(name.to_owned(), InterfaceState { attached, error });
+            r.interfaces.insert(name.to_owned(), InterfaceState { attached, error });
         });
     }
 
@@ -246,12 +233,7 @@ impl AgentState {
     pub fn alive(&self) -> Result<(), Duration> {
         let (age, limit) = match self.last_beat_ms.load(Ordering::Relaxed) {
             NEVER => (self.started.elapsed(), self.startup_grace),
-            ms => (
-                self.started
-                    .elapsed()
-                    .saturating_sub(Duration::from_millis(ms)),
-                self.liveness_timeout,
-            ),
+            ms => (self.started.elapsed().saturating_sub(Duration::from_millis(ms)), self.liveness_timeout),
         };
         if age > limit {
             Err(age)
@@ -262,24 +244,14 @@ impl AgentState {
 }
 
 /// Binds `addr` and serves `/healthz`, `/readyz` and `/metrics` until the task is dropped.
-pub async fn serve(
-    addr: SocketAddr,
-    state: Arc<AgentState>,
-    metrics: Arc<Metrics>,
-) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("binding the health/metrics endpoint {addr}: {e}"))?;
+pub async fn serve(addr: SocketAddr, state: Arc<AgentState>, metrics: Arc<Metrics>) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("binding the health/metrics endpoint {addr}: {e}"))?;
     tracing::info!("serving /healthz, /readyz and /metrics on {addr}");
     serve_on(listener, state, metrics).await
 }
 
 /// [`serve`] on a bound listener (tests bind port 0 and read the address).
-pub async fn serve_on(
-    listener: TcpListener,
-    state: Arc<AgentState>,
-    metrics: Arc<Metrics>,
-) -> anyhow::Result<()> {
+pub async fn serve_on(listener: TcpListener, state: Arc<AgentState>, metrics: Arc<Metrics>) -> anyhow::Result<()> {
     serve_http(listener, "health endpoint", move |req| respond(req, &state, &metrics)).await
 }
 
@@ -313,10 +285,7 @@ where
                 let response = respond(&req);
                 async move { Ok::<_, Infallible>(response) }
             });
-            let conn = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(tcp), service);
+            let conn = http1::Builder::new().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).serve_connection(TokioIo::new(tcp), service);
             if let Err(e) = conn.await {
                 tracing::debug!("{what} connection: {e}");
             }
@@ -350,21 +319,14 @@ fn proxy_health(method: &Method, path: &str, state: &AgentState) -> Response<Ful
     with_type(status, "application/json", body.to_string())
 }
 
-fn respond(
-    req: &Request<Incoming>,
-    state: &AgentState,
-    metrics: &Metrics,
-) -> Response<Full<Bytes>> {
+fn respond(req: &Request<Incoming>, state: &AgentState, metrics: &Metrics) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n".into());
     }
     match req.uri().path() {
         "/healthz" | "/livez" => match state.alive() {
             Ok(()) => text(StatusCode::OK, "ok\n".into()),
-            Err(age) => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("run loop stalled: no heartbeat for {}s\n", age.as_secs()),
-            ),
+            Err(age) => text(StatusCode::SERVICE_UNAVAILABLE, format!("run loop stalled: no heartbeat for {}s\n", age.as_secs())),
         },
         "/readyz" => match state.ready() {
             Ok(()) => text(StatusCode::OK, "ok\n".into()),
@@ -375,10 +337,7 @@ fn respond(
             }
         },
         "/metrics" => with_type(StatusCode::OK, metrics::CONTENT_TYPE, metrics.encode()),
-        _ => text(
-            StatusCode::NOT_FOUND,
-            "not found: try /healthz, /readyz or /metrics\n".into(),
-        ),
+        _ => text(StatusCode::NOT_FOUND, "not found: try /healthz, /readyz or /metrics\n".into()),
     }
 }
 
@@ -386,17 +345,10 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     with_type(status, "text/plain; charset=utf-8", body)
 }
 
-fn with_type(
-    status: StatusCode,
-    content_type: &'static str,
-    body: String,
-) -> Response<Full<Bytes>> {
+fn with_type(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static(content_type),
-    );
+    response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
     response
 }
 
@@ -422,17 +374,11 @@ mod tests {
         };
         let raw = timeout(PATIENCE, exchange).await.expect("response in time");
         let (head, body) = raw.split_once("\r\n\r\n").expect("a full HTTP response");
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .expect("status code");
+        let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("status code");
         (status, body.to_owned())
     }
 
-    async fn server(
-        state: Arc<AgentState>,
-    ) -> (SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    async fn server(state: Arc<AgentState>) -> (SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let metrics = Arc::new(Metrics::new());
@@ -443,42 +389,15 @@ mod tests {
     #[test]
     fn readiness_reasons() {
         let mut r = Readiness::default();
-        assert_eq!(
-            r.ready().unwrap_err(),
-            [
-                "eBPF programs are not loaded",
-                "first full sync of Services and EndpointSlices is not programmed yet"
-            ]
-        );
+        assert_eq!(r.ready().unwrap_err(), ["eBPF programs are not loaded", "first full sync of Services and EndpointSlices is not programmed yet"]);
         r.programs_loaded = true;
         r.synced = true;
-        r.interfaces.insert(
-            "eth0".into(),
-            InterfaceState {
-                attached: true,
-                error: None,
-            },
-        );
+        r.interfaces.insert("eth0".into(), InterfaceState { attached: true, error: None });
         assert_eq!(r.ready(), Ok(()));
-        r.interfaces.insert(
-            "eth1".into(),
-            InterfaceState {
-                attached: false,
-                error: Some("no such device".into()),
-            },
-        );
+        r.interfaces.insert("eth1".into(), InterfaceState { attached: false, error: Some("no such device".into()) });
         r.missing = vec!["cgroup2 is not mounted".into()];
-        assert_eq!(
-            r.ready().unwrap_err(),
-            [
-                "missing prerequisite: cgroup2 is not mounted",
-                "interface eth1: not attached: no such device"
-            ]
-        );
-        assert_eq!(
-            r.pending(),
-            ["interface eth1: not attached: no such device"]
-        );
+        assert_eq!(r.ready().unwrap_err(), ["missing prerequisite: cgroup2 is not mounted", "interface eth1: not attached: no such device"]);
+        assert_eq!(r.pending(), ["interface eth1: not attached: no such device"]);
     }
 
     #[test]
@@ -535,10 +454,7 @@ mod tests {
 
         let (code, body) = get(addr, "/readyz").await;
         assert_eq!(code, 503);
-        assert_eq!(
-            body,
-            "eBPF programs are not loaded\nfirst full sync of Services and EndpointSlices is not programmed yet\n"
-        );
+        assert_eq!(body, "eBPF programs are not loaded\nfirst full sync of Services and EndpointSlices is not programmed yet\n");
         state.set_programs_loaded(true);
         state.set_interface("eth0", true, None);
         state.set_synced(true);
@@ -554,10 +470,7 @@ mod tests {
 
     #[tokio::test]
     async fn healthz_fails_when_the_loop_stops_beating() {
-        let state = Arc::new(AgentState::new(
-            Duration::from_millis(200),
-            Duration::from_millis(300),
-        ));
+        let state = Arc::new(AgentState::new(Duration::from_millis(200), Duration::from_millis(300)));
         let (addr, task) = server(state.clone()).await;
         // Starting: the grace applies until the first beat.
         assert_eq!(get(addr, "/healthz").await.0, 200);

@@ -13,10 +13,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use gardenet_common::{
-    ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, Ip6, ServiceKey4, ServiceKey6, ServiceValue4,
-    SVCNET_CLUSTER_IP, SVCNET_FOREIGN, SVCNET_RANGE,
-    BE_FLAG_REMOTE, SVC_FLAG_DROP, SVC_FLAG_NONE, SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES, SourceRange4, SourceRange6, SOURCE_RANGE_FE_BITS4,
-    SOURCE_RANGE_FE_BITS6,
+    ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, Ip6, ServiceKey4, ServiceKey6, ServiceValue4, SourceRange4,
+    SourceRange6, BE_FLAG_REMOTE, SOURCE_RANGE_FE_BITS4, SOURCE_RANGE_FE_BITS6, SVCNET_CLUSTER_IP, SVCNET_FOREIGN, SVCNET_RANGE, SVC_FLAG_DROP, SVC_FLAG_NONE,
+    SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES,
 };
 
 use crate::model::{Backend, Cidr, Frontend, FrontendSpec, Proto, Scope};
@@ -191,8 +190,20 @@ impl RangeKey {
     /// The frontend and client prefix of an entry read back from the maps.
     pub fn decode(&self) -> Option<(Frontend, Cidr)> {
         let (addr, port, proto, client, len): (IpAddr, u16, u8, IpAddr, u32) = match self {
-            RangeKey::V4(len, d) => (Ipv4Addr::from(u32::from_be(d.fe_addr)).into(), d.fe_port, d.proto, Ipv4Addr::from(u32::from_be(d.client)).into(), len.checked_sub(SOURCE_RANGE_FE_BITS4)?),
-            RangeKey::V6(len, d) => (Ipv6Addr::from(ip6_octets(d.fe_addr)).into(), d.fe_port, d.proto, Ipv6Addr::from(ip6_octets(d.client)).into(), len.checked_sub(SOURCE_RANGE_FE_BITS6)?),
+            RangeKey::V4(len, d) => (
+                Ipv4Addr::from(u32::from_be(d.fe_addr)).into(),
+                d.fe_port,
+                d.proto,
+                Ipv4Addr::from(u32::from_be(d.client)).into(),
+                len.checked_sub(SOURCE_RANGE_FE_BITS4)?,
+            ),
+            RangeKey::V6(len, d) => (
+                Ipv6Addr::from(ip6_octets(d.fe_addr)).into(),
+                d.fe_port,
+                d.proto,
+                Ipv6Addr::from(ip6_octets(d.client)).into(),
+                len.checked_sub(SOURCE_RANGE_FE_BITS6)?,
+            ),
         };
         let fe = Frontend::new(addr, u16::from_be(port), Proto::from_number(proto)?);
         Some((fe, Cidr::new(client, u8::try_from(len).ok()?)?))
@@ -361,7 +372,11 @@ fn v6_of(a: IpAddr) -> Ipv6Addr {
 }
 
 fn backend_flags(be: &Backend) -> u8 {
-    if be.remote { BE_FLAG_REMOTE } else { 0 }
+    if be.remote {
+        BE_FLAG_REMOTE
+    } else {
+        0
+    }
 }
 
 /// The master entry's `SVC_FLAG_*` for a frontend spec.
@@ -450,7 +465,11 @@ impl Flat {
     }
 
     fn backends_of(&self, addr: &IpAddr) -> &HashMap<u32, Backend> {
-        if addr.is_ipv4() { &self.be4 } else { &self.be6 }
+        if addr.is_ipv4() {
+            &self.be4
+        } else {
+            &self.be6
+        }
     }
 
     fn slot(&self, id: &FeId, slot: u16) -> Option<u32> {
@@ -499,7 +518,8 @@ impl MapDump {
                     None => dangling += 1,
                 }
             }
-            let source_ranges = if m.flags & SVC_FLAG_SOURCE_RANGES != 0 { ranges.get(&frontend).map(|r| r.iter().copied().collect()).unwrap_or_default() } else { Vec::new() };
+            let source_ranges =
+                if m.flags & SVC_FLAG_SOURCE_RANGES != 0 { ranges.get(&frontend).map(|r| r.iter().copied().collect()).unwrap_or_default() } else { Vec::new() };
             out.push(DumpedFrontend {
                 frontend,
                 backends,
@@ -624,7 +644,11 @@ impl LbState {
         }
         let old = self.frontends.get(fe).cloned();
         if let Some(o) = &old {
-            if o.affinity_timeout == spec.affinity_timeout && o.flags == master_flags(spec) && self.same_backends(o, &wanted, fe.proto) && self.same_ranges(fe, spec) {
+            if o.affinity_timeout == spec.affinity_timeout
+                && o.flags == master_flags(spec)
+                && self.same_backends(o, &wanted, fe.proto)
+                && self.same_ranges(fe, spec)
+            {
                 return Ok(w);
             }
         }
@@ -706,12 +730,7 @@ impl LbState {
         }
 
         // 3. Publish.
-        let master = ServiceValue4 {
-            backend_id: 0,
-            count: new_slots.len() as u16,
-            flags: master_flags(spec),
-            affinity_timeout: spec.affinity_timeout,
-        };
+        let master = ServiceValue4 { backend_id: 0, count: new_slots.len() as u16, flags: master_flags(spec), affinity_timeout: spec.affinity_timeout };
         if let Err(e) = key.put(maps, &master) {
             self.rollback_slots(maps, &key, &old_slots, &written);
             self.forget_created(maps, created);
@@ -921,9 +940,7 @@ impl MemMaps {
             for s in 1..=m.count {
                 match self.services.get(&k.with_slot(s)) {
                     None => v.push(format!("{k:?}: slot {s} missing")),
-                    Some(sv) if !self.backends.contains_key(&sv.backend_id) => {
-                        v.push(format!("{k:?}: slot {s} -> missing backend {}", sv.backend_id))
-                    }
+                    Some(sv) if !self.backends.contains_key(&sv.backend_id) => v.push(format!("{k:?}: slot {s} -> missing backend {}", sv.backend_id)),
                     _ => {}
                 }
             }
@@ -937,9 +954,7 @@ impl MemMaps {
             for s in 1..=m.count {
                 match self.services6.get(&k.with_slot(s)) {
                     None => v.push(format!("{k:?}: slot {s} missing")),
-                    Some(sv) if !self.backends6.contains_key(&sv.backend_id) => {
-                        v.push(format!("{k:?}: slot {s} -> missing IPv6 backend {}", sv.backend_id))
-                    }
+                    Some(sv) if !self.backends6.contains_key(&sv.backend_id) => v.push(format!("{k:?}: slot {s} -> missing IPv6 backend {}", sv.backend_id)),
                     _ => {}
                 }
             }

@@ -269,7 +269,13 @@ mod destroy {
             for g in GROUPS {
                 // SAFETY: a valid fd and an int option of the right size.
                 let rc = unsafe {
-                    libc::setsockopt(fd.as_raw_fd(), libc::SOL_NETLINK, libc::NETLINK_ADD_MEMBERSHIP, (&g as *const libc::c_int).cast(), size_of::<libc::c_int>() as libc::socklen_t)
+                    libc::setsockopt(
+                        fd.as_raw_fd(),
+                        libc::SOL_NETLINK,
+                        libc::NETLINK_ADD_MEMBERSHIP,
+                        (&g as *const libc::c_int).cast(),
+                        size_of::<libc::c_int>() as libc::socklen_t,
+                    )
                 };
                 if rc != 0 {
                     return Err(io::Error::last_os_error());

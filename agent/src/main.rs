@@ -61,11 +61,7 @@ fn main() -> Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run(args) => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?
-            .block_on(run::run(*args)),
+        Cmd::Run(args) => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(run::run(*args)),
         Cmd::Lb { cmd: LbCmd::List { json, bpffs } } => run::lb_list(&bpffs, json),
         Cmd::Links { json, bpffs, state_dir, config, interfaces } => tokio::runtime::Builder::new_current_thread()
             .enable_all()

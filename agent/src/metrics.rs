@@ -163,67 +163,23 @@ impl Metrics {
             registry: Registry::default(),
         };
         let r = &mut registry;
-        r.register(
-            "gardenet_services",
-            "Services programmed in the datapath",
-            m.services.clone(),
-        );
-        r.register(
-            "gardenet_frontends",
-            "Frontends (VIP:port/proto) programmed in the datapath",
-            m.frontends.clone(),
-        );
-        r.register(
-            "gardenet_backends",
-            "Distinct backends programmed in the datapath",
-            m.backends.clone(),
-        );
-        r.register(
-            "gardenet_map_entries",
-            "Entries in a BPF map",
-            m.map_entries.clone(),
-        );
-        r.register(
-            "gardenet_map_capacity",
-            "Capacity (max entries) of a BPF map",
-            m.map_capacity.clone(),
-        );
-        r.register(
-            "gardenet_conntrack_entries",
-            "Entries in the datapath's connection tracking map",
-            m.conntrack_entries.clone(),
-        );
-        r.register(
-            "gardenet_interface_attached",
-            "1 if the TC load balancer is attached to the interface",
-            m.interface_attached.clone(),
-        );
+        r.register("gardenet_services", "Services programmed in the datapath", m.services.clone());
+        r.register("gardenet_frontends", "Frontends (VIP:port/proto) programmed in the datapath", m.frontends.clone());
+        r.register("gardenet_backends", "Distinct backends programmed in the datapath", m.backends.clone());
+        r.register("gardenet_map_entries", "Entries in a BPF map", m.map_entries.clone());
+        r.register("gardenet_map_capacity", "Capacity (max entries) of a BPF map", m.map_capacity.clone());
+        r.register("gardenet_conntrack_entries", "Entries in the datapath's connection tracking map", m.conntrack_entries.clone());
+        r.register("gardenet_interface_attached", "1 if the TC load balancer is attached to the interface", m.interface_attached.clone());
         r.register("gardenet_errors", "Errors by kind", m.errors.clone());
-        r.register(
-            "gardenet_kernel_feature",
-            "Kernel facilities the datapath uses: 1 present, 0 absent (a fallback is in use)",
-            m.kernel_features.clone(),
-        );
+        r.register("gardenet_kernel_feature", "Kernel facilities the datapath uses: 1 present, 0 absent (a fallback is in use)", m.kernel_features.clone());
         r.register(
             "gardenet_local_redirect_active",
             "1 while a listener is bound on a local-redirect rule's address for the protocol and port",
             m.local_redirect_active.clone(),
         );
-        r.register(
-            "gardenet_map_writes",
-            "BPF map writes by operation",
-            m.map_writes.clone(),
-        );
-        r.register(
-            "gardenet_datapath_packets",
-            "Datapath packet counters (summed over CPUs)",
-            m.datapath_packets.clone(),
-        );
-        r.register(
-            "gardenet_sync_duration_seconds",
-            "Duration of one flush of changes into the BPF maps",
-            m.sync_duration.clone(),
-        );
+        r.register("gardenet_map_writes", "BPF map writes by operation", m.map_writes.clone());
+        r.register("gardenet_datapath_packets", "Datapath packet counters (summed over CPUs)", m.datapath_packets.clone());
+        r.register("gardenet_sync_duration_seconds", "Duration of one flush of changes into the BPF maps", m.sync_duration.clone());
         r.register(
             "gardenet_network_programming_latency_seconds",
             "Time from receiving a Service or EndpointSlice change to its map write",
@@ -235,12 +191,8 @@ impl Metrics {
     /// Records one pipeline flush: its duration, map writes and problems by kind.
     pub fn observe_flush(&self, report: &FlushReport, duration: Duration) {
         self.sync_duration.observe(duration.as_secs_f64());
-        self.map_writes
-            .get_or_create(&OpLabel { op: "put" })
-            .inc_by(u64::from(report.writes.puts));
-        self.map_writes
-            .get_or_create(&OpLabel { op: "delete" })
-            .inc_by(u64::from(report.writes.deletes));
+        self.map_writes.get_or_create(&OpLabel { op: "put" }).inc_by(u64::from(report.writes.puts));
+        self.map_writes.get_or_create(&OpLabel { op: "delete" }).inc_by(u64::from(report.writes.deletes));
         self.observe_problems(&report.problems);
     }
 
@@ -267,26 +219,15 @@ impl Metrics {
     /// goes down (maps were recreated) is a counter reset to Prometheus, as it should be.
     pub fn set_datapath(&self, stats: &[(&str, u64)]) {
         for (name, value) in stats {
-            self.datapath_packets
-                .get_or_create(&CounterLabel {
-                    counter: (*name).to_owned(),
-                })
-                .inner()
-                .store(*value, std::sync::atomic::Ordering::Relaxed);
+            self.datapath_packets.get_or_create(&CounterLabel { counter: (*name).to_owned() }).inner().store(*value, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
     /// Fill level of one map: alert on `entries / capacity`.
     pub fn set_map_fill(&self, map: &str, entries: usize, capacity: usize) {
-        let label = MapLabel {
-            map: map.to_owned(),
-        };
-        self.map_entries
-            .get_or_create(&label)
-            .set(gauge_value(entries));
-        self.map_capacity
-            .get_or_create(&label)
-            .set(gauge_value(capacity));
+        let label = MapLabel { map: map.to_owned() };
+        self.map_entries.get_or_create(&label).set(gauge_value(entries));
+        self.map_capacity.get_or_create(&label).set(gauge_value(capacity));
     }
 
     /// `gardenet_kernel_feature{feature}`: 1 where the running kernel has it (see `features`).
@@ -302,9 +243,7 @@ impl Metrics {
             crate::model::Proto::Tcp => "tcp",
             crate::model::Proto::Udp => "udp",
         };
-        self.local_redirect_active
-            .get_or_create(&RedirectLabel { service: service.to_owned(), protocol, port: port.to_string() })
-            .set(i64::from(active));
+        self.local_redirect_active.get_or_create(&RedirectLabel { service: service.to_owned(), protocol, port: port.to_string() }).set(i64::from(active));
     }
 
     pub fn set_conntrack_entries(&self, entries: usize) {
@@ -312,11 +251,7 @@ impl Metrics {
     }
 
     pub fn set_interface(&self, interface: &str, attached: bool) {
-        self.interface_attached
-            .get_or_create(&InterfaceLabel {
-                interface: interface.to_owned(),
-            })
-            .set(i64::from(attached));
+        self.interface_attached.get_or_create(&InterfaceLabel { interface: interface.to_owned() }).set(i64::from(attached));
         self.known_interfaces().insert(interface.to_owned());
     }
 
@@ -335,27 +270,19 @@ impl Metrics {
         }
         let mut known = self.known_interfaces();
         for gone in known.difference(&now) {
-            self.interface_attached.remove(&InterfaceLabel {
-                interface: gone.clone(),
-            });
+            self.interface_attached.remove(&InterfaceLabel { interface: gone.clone() });
         }
         *known = now;
     }
 
     /// An interface that went away is no longer reported (rather than reported detached).
     pub fn remove_interface(&self, interface: &str) {
-        self.interface_attached.remove(&InterfaceLabel {
-            interface: interface.to_owned(),
-        });
+        self.interface_attached.remove(&InterfaceLabel { interface: interface.to_owned() });
         self.known_interfaces().remove(interface);
     }
 
     pub fn error(&self, kind: ErrorKind) {
-        self.errors
-            .get_or_create(&KindLabel {
-                kind: kind.as_str(),
-            })
-            .inc();
+        self.errors.get_or_create(&KindLabel { kind: kind.as_str() }).inc();
     }
 
     /// The exposition, for `/metrics`.
@@ -384,7 +311,8 @@ mod tests {
         use ErrorKind::*;
         use ProblemKind as P;
         // The same text under every kind: only the kind decides.
-        let kinds: Vec<ErrorKind> = [P::Conflict, P::MapFull, P::MapIo, P::Translate].iter().map(|k| ErrorKind::of_problem(&problem(*k, "map backends is full"))).collect();
+        let kinds: Vec<ErrorKind> =
+            [P::Conflict, P::MapFull, P::MapIo, P::Translate].iter().map(|k| ErrorKind::of_problem(&problem(*k, "map backends is full"))).collect();
         assert_eq!(kinds, [Conflict, MapFull, MapIo, Translate]);
     }
 
@@ -393,10 +321,7 @@ mod tests {
         let m = Metrics::new();
         let report = FlushReport {
             services: 2,
-            writes: Writes {
-                puts: 5,
-                deletes: 1,
-            },
+            writes: Writes { puts: 5, deletes: 1 },
             problems: vec![problem(ProblemKind::MapFull, "frontend 10.96.0.1:80/TCP: map backends is full (put 7)")],
             ..Default::default()
         };
@@ -437,18 +362,12 @@ mod tests {
             "# TYPE gardenet_sync_duration_seconds histogram",
             "# EOF",
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         m.remove_interface("eth1");
         assert!(!m.encode().contains("eth1"));
         m.set_interfaces([("eth2", true)]);
         let text = m.encode();
-        assert!(
-            !text.contains("eth0") && text.contains("interface=\"eth2\"} 1"),
-            "{text}"
-        );
+        assert!(!text.contains("eth0") && text.contains("interface=\"eth2\"} 1"), "{text}");
     }
 }

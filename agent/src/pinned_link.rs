@@ -41,7 +41,9 @@ pub enum AttachType {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Target {
     /// A cgroup2 directory (fd) with its cgroup id (the directory's inode number).
-    Cgroup { id: u64 },
+    Cgroup {
+        id: u64,
+    },
     Ifindex(u32),
 }
 
@@ -146,14 +148,7 @@ pub enum Attached {
 
 /// Attaches `prog` at `target`, reusing the link pinned at `pin` when it points at the same
 /// target. Returns the link fd (kept open by the caller while it runs).
-pub fn attach_pinned(
-    prog: BorrowedFd<'_>,
-    target_fd_or_ifindex: u32,
-    want: Target,
-    ty: AttachType,
-    flags: u32,
-    pin: &Path,
-) -> io::Result<(OwnedFd, Attached)> {
+pub fn attach_pinned(prog: BorrowedFd<'_>, target_fd_or_ifindex: u32, want: Target, ty: AttachType, flags: u32, pin: &Path) -> io::Result<(OwnedFd, Attached)> {
     if let Some(old) = obj_get(pin)? {
         let same_target = matches!(link_info(old.as_fd()), Ok((_, Some(t))) if t == want);
         if same_target && link_update(old.as_fd(), prog).is_ok() {

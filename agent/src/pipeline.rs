@@ -281,10 +281,8 @@ impl<M: LbMaps> Pipeline<M> {
         while !self.dirty.is_empty() {
             // Oldest Services first, so a contested frontend goes straight to the one that
             // keeps it (no brief detour through a newer claimant's backends after a restart).
-            let mut batch: Vec<((i64, String), String)> = std::mem::take(&mut self.dirty)
-                .into_iter()
-                .map(|k| (self.services.get(&k).map_or((i64::MAX, k.clone()), |s| s.rank()), k))
-                .collect();
+            let mut batch: Vec<((i64, String), String)> =
+                std::mem::take(&mut self.dirty).into_iter().map(|k| (self.services.get(&k).map_or((i64::MAX, k.clone()), |s| s.rank()), k)).collect();
             batch.sort_unstable();
             for (_, k) in batch {
                 rep.services += 1;
@@ -380,13 +378,7 @@ impl<M: LbMaps> Pipeline<M> {
     fn apply_service(&mut self, key: &str, rep: &mut FlushReport) {
         let t = match self.services.get(key) {
             Some(svc) => {
-                let slices: Vec<&SliceView> = self
-                    .slices_by_svc
-                    .get(key)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|k| self.slices.get(k).map(|s| &**s))
-                    .collect();
+                let slices: Vec<&SliceView> = self.slices_by_svc.get(key).into_iter().flatten().filter_map(|k| self.slices.get(k).map(|s| &**s)).collect();
                 translate::translate(svc, &slices, &self.node)
             }
             None => Default::default(),
@@ -416,14 +408,22 @@ impl<M: LbMaps> Pipeline<M> {
                     // always yields.
                     let theirs = self.services.get(&o).map(|s| s.rank());
                     if theirs.is_some() && theirs <= my_rank {
-                        rep.problems.push(Problem::service(key, ProblemKind::Conflict, format!("frontend {fe} is already used by service {o} (older); not programmed")));
+                        rep.problems.push(Problem::service(
+                            key,
+                            ProblemKind::Conflict,
+                            format!("frontend {fe} is already used by service {o} (older); not programmed"),
+                        ));
                         self.contenders.entry(*fe).or_default().insert(key.into());
                         continue;
                     }
                     // This Service is older: it takes the frontend over (the upsert below
                     // rewrites it in place) and the newer one waits as a contender.
                     if theirs.is_some() {
-                        rep.problems.push(Problem::service(o.clone(), ProblemKind::Conflict, format!("frontend {fe} is taken over by older service {key}; not programmed")));
+                        rep.problems.push(Problem::service(
+                            o.clone(),
+                            ProblemKind::Conflict,
+                            format!("frontend {fe} is taken over by older service {key}; not programmed"),
+                        ));
                     }
                     if let Some(set) = self.owned.get_mut(&o) {
                         set.remove(fe);
@@ -525,7 +525,13 @@ pub fn node_info(n: &k8s_openapi::api::core::v1::Node, select: &[NodePortAddress
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{lbmap::MemMaps, translate::{tests::{slice, svc}, LocalRedirect, ProblemObject}};
+    use crate::{
+        lbmap::MemMaps,
+        translate::{
+            tests::{slice, svc},
+            LocalRedirect, ProblemObject,
+        },
+    };
 
     fn web(ip: &str, name: &str) -> ServiceView {
         svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"))
@@ -538,8 +544,11 @@ mod tests {
         Pipeline::new(MemMaps::checked(), LbState::new(), NodeInfo::default())
     }
     fn service_cidr(name: &str, cidrs: &[&str]) -> Arc<ServiceCidrView> {
-        let o: k8s_openapi::api::networking::v1::ServiceCIDR =
-            serde_yaml::from_str(&format!("metadata: {{name: {name}}}\nspec: {{cidrs: [{}]}}", cidrs.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", "))).unwrap();
+        let o: k8s_openapi::api::networking::v1::ServiceCIDR = serde_yaml::from_str(&format!(
+            "metadata: {{name: {name}}}\nspec: {{cidrs: [{}]}}",
+            cidrs.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ")
+        ))
+        .unwrap();
         Arc::new(ServiceCidrView::from(&o))
     }
     fn nets(p: &Pipeline<MemMaps>) -> Vec<String> {
@@ -550,7 +559,9 @@ mod tests {
     fn service_ranges_and_cluster_ips_follow_service_cidrs_and_services() {
         let mut p = pipeline();
         p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.10", "a"))));
-        let foreign = svc("metadata: {name: f, namespace: d, labels: {service.kubernetes.io/service-proxy-name: other}}\nspec: {clusterIP: 10.96.0.77, ports: [{port: 80}]}");
+        let foreign = svc(
+            "metadata: {name: f, namespace: d, labels: {service.kubernetes.io/service-proxy-name: other}}\nspec: {clusterIP: 10.96.0.77, ports: [{port: 80}]}",
+        );
         p.handle(SourceEvent::ServiceApplied(Arc::new(foreign)));
         p.handle(SourceEvent::Synced);
         p.flush();
@@ -594,11 +605,17 @@ mod tests {
 
     fn backends(p: &Pipeline<MemMaps>, fe: &str) -> Vec<String> {
         let fe: Frontend = fe.parse().unwrap();
-        p.maps().dump().frontends().into_iter().find(|d| d.frontend == fe).map(|d| {
-            let mut v: Vec<String> = d.backends.iter().map(|b| b.to_string()).collect();
-            v.sort();
-            v
-        }).unwrap_or_default()
+        p.maps()
+            .dump()
+            .frontends()
+            .into_iter()
+            .find(|d| d.frontend == fe)
+            .map(|d| {
+                let mut v: Vec<String> = d.backends.iter().map(|b| b.to_string()).collect();
+                v.sort();
+                v
+            })
+            .unwrap_or_default()
     }
 
     #[test]
@@ -737,7 +754,9 @@ mod tests {
     #[test]
     fn udp_backends_that_leave_are_reported_for_conntrack_cleanup() {
         let mut p = pipeline();
-        let udp = |ip: &str, name: &str| svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 53, protocol: UDP}}, {{port: 80}}]}}"));
+        let udp = |ip: &str, name: &str| {
+            svc(&format!("metadata: {{name: {name}, namespace: d}}\nspec: {{clusterIP: {ip}, ports: [{{port: 53, protocol: UDP}}, {{port: 80}}]}}"))
+        };
         let eps2 = |svc_name: &str, ips: &[&str]| {
             let e: Vec<String> = ips.iter().map(|i| format!("{{addresses: [{i}]}}")).collect();
             slice(&format!("metadata: {{name: {svc_name}-x, namespace: d, labels: {{kubernetes.io/service-name: {svc_name}}}}}\naddressType: IPv4\nports: [{{port: 5353, protocol: UDP}}, {{port: 8080}}]\nendpoints: [{}]", e.join(",")))
@@ -878,7 +897,11 @@ mod tests {
 
     #[test]
     fn a_listener_change_translates_only_the_redirected_service_again() {
-        let dns = |listening: &[(Proto, u16)]| LocalRedirect { service: "d/dns".into(), to: "169.254.20.10".parse().unwrap(), listening: listening.iter().copied().collect() };
+        let dns = |listening: &[(Proto, u16)]| LocalRedirect {
+            service: "d/dns".into(),
+            to: "169.254.20.10".parse().unwrap(),
+            listening: listening.iter().copied().collect(),
+        };
         let info = NodeInfo { local_redirects: vec![dns(&[])], ..Default::default() };
         let mut p = Pipeline::new(MemMaps::checked(), LbState::new(), info);
         for name in ["dns", "web"] {

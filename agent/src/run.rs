@@ -6,7 +6,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-
 use anyhow::{bail, Context, Result};
 use tokio::sync::mpsc;
 
@@ -17,12 +16,12 @@ use crate::{
         config::{LocalRedirectRule, NetworkConfig, NodePortAddress},
     },
     health::AgentState,
-    metrics::{ErrorKind, Metrics},
-    status,
     lbmap::LbState,
     listeners::ListenerWatch,
+    metrics::{ErrorKind, Metrics},
     pipeline::Pipeline,
     source::{self, SourceEvent},
+    status,
     translate::NodeInfo,
 };
 
@@ -544,10 +543,8 @@ pub async fn links_report(bpffs: &Path, state_dir: Option<PathBuf>, config: Opti
     let selector = args.selector(&config.interfaces);
     let mut rows = crate::links::explain(&selector, &crate::links::WatchOptions::default()).await?;
     let state_dir = state_dir.unwrap_or_else(|| default_state_dir(bpffs));
-    let agent: Vec<crate::links::LinkStatus> = std::fs::read_to_string(state_dir.join("links.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
+    let agent: Vec<crate::links::LinkStatus> =
+        std::fs::read_to_string(state_dir.join("links.json")).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
     let xdp = crate::links::watch::xdp_modes().await.unwrap_or_default();
     for r in rows.iter_mut() {
         if let Some(a) = agent.iter().find(|a| a.index == r.index) {
@@ -657,7 +654,15 @@ mod tests {
         let s = node_settings(&run_args(&[]), &NetworkConfig::default()).unwrap();
         assert_eq!(s, NodeSettings { node_port_addresses: vec![NodePortAddress::Primary], no_external_ips: false, local_redirects: vec![] });
 
-        let a = run_args(&["--node-port-addresses", "primary,192.168.0.0/16", "--no-external-ips", "--local-redirect", "a/dns=169.254.0.53", "--local-redirect", "b/otel=fd00::10"]);
+        let a = run_args(&[
+            "--node-port-addresses",
+            "primary,192.168.0.0/16",
+            "--no-external-ips",
+            "--local-redirect",
+            "a/dns=169.254.0.53",
+            "--local-redirect",
+            "b/otel=fd00::10",
+        ]);
         let s = node_settings(&a, &config).unwrap();
         assert_eq!(s.node_port_addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>(), ["primary", "192.168.0.0/16"]);
         assert!(s.no_external_ips);
@@ -666,7 +671,12 @@ mod tests {
 
         let a = run_args(&["--local-redirect", "a/dns=169.254.0.53", "--local-redirect", "a/dns=169.254.0.54"]);
         assert!(node_settings(&a, &config).is_err());
-        for bad in [&["--node-port-addresses", "10.0.0.1"][..], &["--node-port-addresses", "nonsense/8"], &["--local-redirect", "dns=169.254.0.53"], &["--local-redirect", "a/dns"]] {
+        for bad in [
+            &["--node-port-addresses", "10.0.0.1"][..],
+            &["--node-port-addresses", "nonsense/8"],
+            &["--local-redirect", "dns=169.254.0.53"],
+            &["--local-redirect", "a/dns"],
+        ] {
             assert!(Run::try_parse_from(["run"].iter().chain(bad)).is_err(), "{bad:?}");
         }
     }

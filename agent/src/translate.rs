@@ -135,10 +135,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
     // policy only exists for NodePort and LoadBalancer Services.
     let externally = svc.node_ports || !svc.lb_ips.is_empty() || !external_ips.is_empty();
     let external_local = svc.external_local && svc.node_ports;
-    let policy = Policy {
-        uses_cluster: !svc.internal_local || externally,
-        uses_local: svc.internal_local || (external_local && externally),
-    };
+    let policy = Policy { uses_cluster: !svc.internal_local || externally, uses_local: svc.internal_local || (external_local && externally) };
     // Health checks count the ready local endpoints of the primary family (a dual-stack pod
     // has one address per family); terminating ones keep serving but make the load balancer
     // move away, as in kube-proxy.
@@ -228,12 +225,7 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
     }
     if svc.external_local && svc.load_balancer {
         if let Some(p) = svc.health_check_node_port.and_then(valid_port) {
-            out.health_check = Some(HealthCheck {
-                port: p,
-                namespace: svc.namespace.clone(),
-                name: svc.name.clone(),
-                local_endpoints: local_ready.len(),
-            });
+            out.health_check = Some(HealthCheck { port: p, namespace: svc.namespace.clone(), name: svc.name.clone(), local_endpoints: local_ready.len() });
         }
     }
     out
@@ -299,7 +291,8 @@ fn topology_mode(cands: &[&Candidate], node: &NodeInfo) -> Topology {
 
 fn categorize(cands: &[&Candidate], policy: Policy, node: &NodeInfo) -> Categorized {
     let mut out = Categorized::default();
-    let set = |f: &dyn Fn(&Candidate) -> bool| -> Vec<Backend> { cands.iter().filter(|c| f(c)).map(|c| c.backend).collect::<BTreeSet<_>>().into_iter().collect() };
+    let set =
+        |f: &dyn Fn(&Candidate) -> bool| -> Vec<Backend> { cands.iter().filter(|c| f(c)).map(|c| c.backend).collect::<BTreeSet<_>>().into_iter().collect() };
     let serving_terminating = |c: &Candidate| c.ep.serving && c.ep.terminating;
     if policy.uses_cluster {
         let mode = topology_mode(cands, node);
@@ -443,7 +436,12 @@ endpoints:
     #[test]
     fn slices_are_merged_and_deduplicated() {
         let a = slice(SLICE);
-        let b = slice(&SLICE.replace("web-abc", "web-def").replace("10.0.0.3", "10.0.0.4").replace("conditions: {ready: false, serving: true, terminating: true}", "conditions: {ready: true}"));
+        let b = slice(
+            &SLICE
+                .replace("web-abc", "web-def")
+                .replace("10.0.0.3", "10.0.0.4")
+                .replace("conditions: {ready: false, serving: true, terminating: true}", "conditions: {ready: true}"),
+        );
         let t = translate(&svc(SVC), &[&a, &b], &node());
         assert_eq!(t.frontends[0].1.backends, bes(&["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.4:8080"]));
     }
@@ -463,14 +461,17 @@ endpoints:
         assert_eq!(e.skipped.as_deref(), Some("ExternalName"));
         let o = translate(&svc(&SVC.replace("namespace: demo}", "namespace: demo, labels: {service.kubernetes.io/service-proxy-name: other}}")), &[], &node());
         assert!(o.skipped.is_some() && o.frontends.is_empty());
-        let mine = translate(&svc(&SVC.replace("namespace: demo}", "namespace: demo, labels: {service.kubernetes.io/service-proxy-name: gardenet}}")), &[], &node());
+        let mine =
+            translate(&svc(&SVC.replace("namespace: demo}", "namespace: demo, labels: {service.kubernetes.io/service-proxy-name: gardenet}}")), &[], &node());
         assert!(mine.skipped.is_none());
     }
 
     #[test]
     fn bad_input_is_reported_and_the_rest_still_programmed() {
-        let s = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  externalIPs: [nonsense]")
-            .replace("- {name: dns, port: 53, protocol: UDP}", "- {name: dns, port: 53, protocol: UDP}\n  - {name: big, port: 70000}\n  - {name: s, port: 9, protocol: SCTP}");
+        let s = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  externalIPs: [nonsense]").replace(
+            "- {name: dns, port: 53, protocol: UDP}",
+            "- {name: dns, port: 53, protocol: UDP}\n  - {name: big, port: 70000}\n  - {name: s, port: 9, protocol: SCTP}",
+        );
         let t = translate(&svc(&s), &[&slice(SLICE)], &node());
         assert_eq!(t.frontends.len(), 2);
         let msgs: Vec<_> = t.problems.iter().map(|p| p.message.as_str()).collect();
@@ -667,7 +668,11 @@ spec:
         assert_eq!(snat, ["192.0.2.10:30080/tcp"], "NodePort (external) yes, ClusterIP no");
         assert_eq!(backends_of(&t, "192.0.2.10:30080/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080 remote"]));
         // A kernel without source NAT support: DNAT only.
-        let t = translate(&svc(&LB_SVC.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster")), &[&slice(LOCAL_SLICE)], &NodeInfo { no_source_nat: true, ..node() });
+        let t = translate(
+            &svc(&LB_SVC.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster")),
+            &[&slice(LOCAL_SLICE)],
+            &NodeInfo { no_source_nat: true, ..node() },
+        );
         assert!(t.frontends.iter().all(|(_, s)| !s.snat_remote));
         // Without a node name of our own nothing counts as remote.
         let t = translate(&svc(LB_SVC), &[&slice(LOCAL_SLICE)], &NodeInfo { name: String::new(), ..node() });
@@ -698,7 +703,9 @@ spec:
 
     #[test]
     fn internal_traffic_policy_local() {
-        let s = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local").replace("  - {name: dns, port: 53, protocol: UDP}\n", "");
+        let s = SVC
+            .replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local")
+            .replace("  - {name: dns, port: 53, protocol: UDP}\n", "");
         let t = translate(&svc(&s), &[&slice(LOCAL_SLICE)], &node());
         assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.1:8080"]));
     }
@@ -736,7 +743,9 @@ endpoints:
 - {addresses: [10.0.0.4], nodeName: n4, hints: {forNodes: [{name: n4}], forZones: [{name: z2}]}}
 "#;
         let n = |name: &str, zone: &str| NodeInfo { name: name.into(), zone: Some(zone.into()), ..node() };
-        let got = |node: &NodeInfo, sl: &str| backends_of(&translate(&svc(&plain), &[&slice(sl)], node), "10.96.0.10:80/tcp").iter().map(|b| b.addr.to_string()).collect::<Vec<_>>();
+        let got = |node: &NodeInfo, sl: &str| {
+            backends_of(&translate(&svc(&plain), &[&slice(sl)], node), "10.96.0.10:80/tcp").iter().map(|b| b.addr.to_string()).collect::<Vec<_>>()
+        };
         assert_eq!(got(&n("n1", "z1"), sl), ["10.0.0.1"], "this node's endpoint");
         assert_eq!(got(&n("n3", "z1"), sl), ["10.0.0.1", "10.0.0.2"], "no endpoint for this node: same zone");
         assert_eq!(got(&n("n3", "z9"), sl), ["10.0.0.1", "10.0.0.2", "10.0.0.4"], "neither: all");
@@ -802,99 +811,236 @@ endpoints:
             ("node in another zone: no filtering", &four[..1], false, false, false, &zb, v(&["10.1.2.3"]), None, true),
             (
                 "unready endpoint not chosen",
-                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-a"], ready: false, ..EP }],
-                false, false, false, &za, v(&["10.1.2.3"]), None, true,
+                &[
+                    Ep { addr: "10.1.2.3", zones: &["zone-a"], ..EP },
+                    Ep { addr: "10.1.2.4", zones: &["zone-b"], ..EP },
+                    Ep { addr: "10.1.2.6", zones: &["zone-a"], ready: false, ..EP },
+                ],
+                false,
+                false,
+                false,
+                &za,
+                v(&["10.1.2.3"]),
+                None,
+                true,
             ),
             (
                 "only unready endpoints in our zone: no filtering",
-                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], ready: false, ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP }],
-                false, false, false, &za, v(&["10.1.2.4", "10.1.2.5"]), None, true,
+                &[
+                    Ep { addr: "10.1.2.3", zones: &["zone-a"], ready: false, ..EP },
+                    Ep { addr: "10.1.2.4", zones: &["zone-b"], ..EP },
+                    Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP },
+                ],
+                false,
+                false,
+                false,
+                &za,
+                v(&["10.1.2.4", "10.1.2.5"]),
+                None,
+                true,
             ),
             (
                 "missing hints: no filtering",
                 &[Ep { addr: "10.1.2.3", zones: &["zone-a"], ..EP }, Ep { addr: "10.1.2.5", ..EP }],
-                false, false, false, &za, v(&["10.1.2.3", "10.1.2.5"]), None, true,
+                false,
+                false,
+                false,
+                &za,
+                v(&["10.1.2.3", "10.1.2.5"]),
+                None,
+                true,
             ),
             (
                 "multiple hints per endpoint",
-                &[Ep { addr: "10.1.2.3", zones: &["zone-a", "zone-b", "zone-c"], ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b", "zone-c"], ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-b", "zone-d"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-c"], ..EP }],
-                false, false, false, &zc, v(&["10.1.2.3", "10.1.2.4", "10.1.2.6"]), None, true,
+                &[
+                    Ep { addr: "10.1.2.3", zones: &["zone-a", "zone-b", "zone-c"], ..EP },
+                    Ep { addr: "10.1.2.4", zones: &["zone-b", "zone-c"], ..EP },
+                    Ep { addr: "10.1.2.5", zones: &["zone-b", "zone-d"], ..EP },
+                    Ep { addr: "10.1.2.6", zones: &["zone-c"], ..EP },
+                ],
+                false,
+                false,
+                false,
+                &zc,
+                v(&["10.1.2.3", "10.1.2.4", "10.1.2.6"]),
+                None,
+                true,
             ),
             (
                 "eTP Local: topology ignored for local endpoints",
-                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], local: true, ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], local: true, ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-a"], ..EP }],
-                false, true, true, &za, v(&["10.1.2.3", "10.1.2.6"]), v(&["10.1.2.3", "10.1.2.4"]), true,
+                &[
+                    Ep { addr: "10.1.2.3", zones: &["zone-a"], local: true, ..EP },
+                    Ep { addr: "10.1.2.4", zones: &["zone-b"], local: true, ..EP },
+                    Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP },
+                    Ep { addr: "10.1.2.6", zones: &["zone-a"], ..EP },
+                ],
+                false,
+                true,
+                true,
+                &za,
+                v(&["10.1.2.3", "10.1.2.6"]),
+                v(&["10.1.2.3", "10.1.2.4"]),
+                true,
             ),
             (
                 "iTP Local: topology ignored for local endpoints",
-                &[Ep { addr: "10.1.2.3", zones: &["zone-a"], local: true, ..EP }, Ep { addr: "10.1.2.4", zones: &["zone-b"], local: true, ..EP }, Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP }, Ep { addr: "10.1.2.6", zones: &["zone-a"], ..EP }],
-                true, false, true, &za, v(&["10.1.2.3", "10.1.2.6"]), v(&["10.1.2.3", "10.1.2.4"]), true,
+                &[
+                    Ep { addr: "10.1.2.3", zones: &["zone-a"], local: true, ..EP },
+                    Ep { addr: "10.1.2.4", zones: &["zone-b"], local: true, ..EP },
+                    Ep { addr: "10.1.2.5", zones: &["zone-c"], ..EP },
+                    Ep { addr: "10.1.2.6", zones: &["zone-a"], ..EP },
+                ],
+                true,
+                false,
+                true,
+                &za,
+                v(&["10.1.2.3", "10.1.2.6"]),
+                v(&["10.1.2.3", "10.1.2.4"]),
+                true,
             ),
             ("iTP Local, no endpoints", &[], true, false, false, &za, None, v(&[]), false),
-            (
-                "iTP Local, all endpoints remote",
-                &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", ..EP }],
-                true, false, false, &za, None, v(&[]), true,
-            ),
+            ("iTP Local, all endpoints remote", &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", ..EP }], true, false, false, &za, None, v(&[]), true),
             (
                 "iTP Local, some endpoints local",
                 &[Ep { addr: "10.0.0.0", local: true, ..EP }, Ep { addr: "10.0.0.1", ..EP }],
-                true, false, false, &za, None, v(&["10.0.0.0"]), true,
+                true,
+                false,
+                false,
+                &za,
+                None,
+                v(&["10.0.0.0"]),
+                true,
             ),
             (
                 "Cluster, endpoints not ready",
                 &[Ep { addr: "10.0.0.0", ready: false, serving: false, ..EP }, Ep { addr: "10.0.0.1", ready: false, serving: false, ..EP }],
-                false, false, false, &za, v(&[]), None, false,
+                false,
+                false,
+                false,
+                &za,
+                v(&[]),
+                None,
+                false,
             ),
             (
                 "Cluster, some ready",
                 &[Ep { addr: "10.0.0.0", ready: false, serving: false, ..EP }, Ep { addr: "10.0.0.1", ..EP }],
-                false, false, false, &za, v(&["10.0.0.1"]), None, true,
+                false,
+                false,
+                false,
+                &za,
+                v(&["10.0.0.1"]),
+                None,
+                true,
             ),
             (
                 "Cluster, all terminating",
                 &[Ep { addr: "10.0.0.0", local: true, ..TERMINATING }, Ep { addr: "10.0.0.1", ..TERMINATING }],
-                false, false, false, &za, v(&["10.0.0.0", "10.0.0.1"]), None, true,
+                false,
+                false,
+                false,
+                &za,
+                v(&["10.0.0.0", "10.0.0.1"]),
+                None,
+                true,
             ),
             (
                 "serving but not terminating is not a fallback",
                 &[Ep { addr: "10.0.0.0", ready: false, serving: true, terminating: false, ..EP }],
-                false, false, false, &za, v(&[]), None, false,
+                false,
+                false,
+                false,
+                &za,
+                v(&[]),
+                None,
+                false,
             ),
             (
                 "iTP Local + eTP Local, all remote",
                 &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", ..EP }],
-                true, true, true, &za, v(&["10.0.0.0", "10.0.0.1"]), v(&[]), true,
+                true,
+                true,
+                true,
+                &za,
+                v(&["10.0.0.0", "10.0.0.1"]),
+                v(&[]),
+                true,
             ),
             (
                 "iTP Local + eTP Local, all remote and terminating",
                 &[Ep { addr: "10.0.0.0", ..TERMINATING }, Ep { addr: "10.0.0.1", ..TERMINATING }],
-                true, true, true, &za, v(&["10.0.0.0", "10.0.0.1"]), v(&[]), true,
+                true,
+                true,
+                true,
+                &za,
+                v(&["10.0.0.0", "10.0.0.1"]),
+                v(&[]),
+                true,
             ),
             (
                 "eTP Local with terminating endpoints",
-                &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", ready: false, serving: false, local: true, ..EP }, Ep { addr: "10.0.0.2", local: true, ..TERMINATING }, Ep { addr: "10.0.0.3", ..TERMINATING }],
-                false, true, true, &za, v(&["10.0.0.0"]), v(&["10.0.0.2"]), true,
+                &[
+                    Ep { addr: "10.0.0.0", ..EP },
+                    Ep { addr: "10.0.0.1", ready: false, serving: false, local: true, ..EP },
+                    Ep { addr: "10.0.0.2", local: true, ..TERMINATING },
+                    Ep { addr: "10.0.0.3", ..TERMINATING },
+                ],
+                false,
+                true,
+                true,
+                &za,
+                v(&["10.0.0.0"]),
+                v(&["10.0.0.2"]),
+                true,
             ),
             (
                 "eTP ignored when not externally accessible",
                 &[Ep { addr: "10.0.0.0", ..EP }, Ep { addr: "10.0.0.1", local: true, ..EP }],
-                false, true, false, &za, v(&["10.0.0.0", "10.0.0.1"]), None, true,
+                false,
+                true,
+                false,
+                &za,
+                v(&["10.0.0.0", "10.0.0.1"]),
+                None,
+                true,
             ),
             (
                 "conflicting topology and localness",
-                &[Ep { addr: "10.0.0.0", zones: &["zone-a"], local: true, ..EP }, Ep { addr: "10.0.0.1", zones: &["zone-b"], local: true, ..EP }, Ep { addr: "10.0.0.2", zones: &["zone-a"], ..EP }, Ep { addr: "10.0.0.3", zones: &["zone-b"], ..EP }],
-                false, true, true, &za, v(&["10.0.0.0", "10.0.0.2"]), v(&["10.0.0.0", "10.0.0.1"]), true,
+                &[
+                    Ep { addr: "10.0.0.0", zones: &["zone-a"], local: true, ..EP },
+                    Ep { addr: "10.0.0.1", zones: &["zone-b"], local: true, ..EP },
+                    Ep { addr: "10.0.0.2", zones: &["zone-a"], ..EP },
+                    Ep { addr: "10.0.0.3", zones: &["zone-b"], ..EP },
+                ],
+                false,
+                true,
+                true,
+                &za,
+                v(&["10.0.0.0", "10.0.0.2"]),
+                v(&["10.0.0.0", "10.0.0.1"]),
+                true,
             ),
             (
                 "PreferSameNode",
                 &[Ep { addr: "10.0.0.0", nodes: &["n1"], zones: &["zone-a"], ..EP }, Ep { addr: "10.0.0.1", nodes: &["n2"], zones: &["zone-a"], ..EP }],
-                false, false, false, &za, v(&["10.0.0.0"]), None, true,
+                false,
+                false,
+                false,
+                &za,
+                v(&["10.0.0.0"]),
+                None,
+                true,
             ),
             (
                 "PreferSameNode, nothing for this node: zone",
                 &[Ep { addr: "10.0.0.1", nodes: &["n2"], zones: &["zone-a"], ..EP }, Ep { addr: "10.0.0.2", nodes: &["n3"], zones: &["zone-b"], ..EP }],
-                false, false, false, &za, v(&["10.0.0.1"]), None, true,
+                false,
+                false,
+                false,
+                &za,
+                v(&["10.0.0.1"]),
+                None,
+                true,
             ),
         ];
         for (name, eps, itp, etp, ext, node, cluster, local, has_any) in cases {
@@ -965,7 +1111,8 @@ endpoints:
 
     #[test]
     fn client_ip_affinity_timeout() {
-        let s = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}");
+        let s = SVC
+            .replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}");
         let t = translate(&svc(&s), &[], &node());
         assert!(t.frontends.iter().all(|(_, f)| f.affinity_timeout == 60));
         let d = SVC.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.10\n  sessionAffinity: ClientIP");

@@ -93,7 +93,11 @@ pub struct PortView {
 impl PortView {
     /// How problems name this port.
     pub fn label(&self) -> String {
-        if self.name.is_empty() { self.port.to_string() } else { self.name.clone() }
+        if self.name.is_empty() {
+            self.port.to_string()
+        } else {
+            self.name.clone()
+        }
     }
 }
 
@@ -159,7 +163,11 @@ fn proto(p: Option<&str>) -> Result<Proto, String> {
 }
 
 fn family_name(v4: bool) -> &'static str {
-    if v4 { "IPv4" } else { "IPv6" }
+    if v4 {
+        "IPv4"
+    } else {
+        "IPv6"
+    }
 }
 
 impl ServiceView {
@@ -253,12 +261,7 @@ impl From<&Service> for ServiceView {
             .ports
             .iter()
             .flatten()
-            .map(|sp| PortView {
-                name: sp.name.clone().unwrap_or_default(),
-                proto: proto(sp.protocol.as_deref()),
-                port: sp.port,
-                node_port: sp.node_port,
-            })
+            .map(|sp| PortView { name: sp.name.clone().unwrap_or_default(), proto: proto(sp.protocol.as_deref()), port: sp.port, node_port: sp.node_port })
             .collect();
         v.node_ports = matches!(type_, Some("NodePort") | Some("LoadBalancer"));
         v.load_balancer = type_ == Some("LoadBalancer");

@@ -516,7 +516,5 @@ pub const fn ip6_from_octets(o: [u8; 16]) -> Ip6 {
 /// `Ip6` words back to the 16 address bytes.
 pub const fn ip6_octets(a: Ip6) -> [u8; 16] {
     let (w0, w1, w2, w3) = (a[0].to_ne_bytes(), a[1].to_ne_bytes(), a[2].to_ne_bytes(), a[3].to_ne_bytes());
-    [
-        w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3], w2[0], w2[1], w2[2], w2[3], w3[0], w3[1], w3[2], w3[3],
-    ]
+    [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3], w2[0], w2[1], w2[2], w2[3], w3[0], w3[1], w3[2], w3[3]]
 }

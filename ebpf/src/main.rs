@@ -15,15 +15,13 @@ use aya_ebpf::{
 use gardenet_common::*;
 
 #[map]
-static GN_SVC4: HashMap<ServiceKey4, ServiceValue4> =
-    HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
+static GN_SVC4: HashMap<ServiceKey4, ServiceValue4> = HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
 
 #[map]
 static GN_BE4: HashMap<u32, Backend4> = HashMap::pinned(DEFAULT_BACKENDS_MAX, 0);
 
 #[map]
-static GN_SK_RNAT4: LruHashMap<SockRevNatKey4, SockRevNatValue4> =
-    LruHashMap::pinned(DEFAULT_SOCK_REVNAT_MAX, 0);
+static GN_SK_RNAT4: LruHashMap<SockRevNatKey4, SockRevNatValue4> = LruHashMap::pinned(DEFAULT_SOCK_REVNAT_MAX, 0);
 
 #[map]
 static GN_CT4: LruHashMap<CtKey4, CtValue4> = LruHashMap::pinned(DEFAULT_CT_MAX, 0);

@@ -60,20 +60,16 @@ impl Flow {
     /// UDP may carry checksum 0 ("none"): keep it that way.
     #[inline(always)]
     fn csum_flags(&self) -> u64 {
-        if self.proto == PROTO_UDP { BPF_F_MARK_MANGLED_0 } else { 0 }
+        if self.proto == PROTO_UDP {
+            BPF_F_MARK_MANGLED_0
+        } else {
+            0
+        }
     }
 
     #[inline(always)]
     fn ct_key(&self, dir: u8) -> CtKey4 {
-        CtKey4 {
-            saddr: self.saddr,
-            daddr: self.daddr,
-            sport: self.sport,
-            dport: self.dport,
-            proto: self.proto,
-            dir,
-            _pad: 0,
-        }
+        CtKey4 { saddr: self.saddr, daddr: self.daddr, sport: self.sport, dport: self.dport, proto: self.proto, dir, _pad: 0 }
     }
 }
 
@@ -235,15 +231,7 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
         return Some(snat_new(ctx, f, &fkey, &be, now));
     }
     // Reply first: once the backend can answer, the answer must be translated.
-    let rkey = CtKey4 {
-        saddr: be.addr,
-        daddr: f.saddr,
-        sport: be.port,
-        dport: f.sport,
-        proto: f.proto,
-        dir: CT_DIR_REPLY,
-        _pad: 0,
-    };
+    let rkey = CtKey4 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
     let rval = CtValue4 { addr: f.daddr, port: f.dport, flags: 0, last_seen_ns: now };
     GN_CT4.insert(&rkey, &rval, 0).ok()?;
     let fval = CtValue4 { addr: be.addr, port: be.port, flags: 0, last_seen_ns: now };
@@ -785,7 +773,11 @@ impl Flow6 {
 
     #[inline(always)]
     fn csum_flags(&self) -> u64 {
-        if self.proto == PROTO_UDP { BPF_F_MARK_MANGLED_0 } else { 0 }
+        if self.proto == PROTO_UDP {
+            BPF_F_MARK_MANGLED_0
+        } else {
+            0
+        }
     }
 
     #[inline(always)]

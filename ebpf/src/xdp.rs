@@ -7,7 +7,10 @@
 use core::mem::size_of;
 
 use aya_ebpf::{
-    bindings::{bpf_sock_tuple, xdp_action::{XDP_DROP, XDP_PASS}},
+    bindings::{
+        bpf_sock_tuple,
+        xdp_action::{XDP_DROP, XDP_PASS},
+    },
     helpers::generated::{bpf_sk_lookup_udp, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::xdp,
     programs::XdpContext,
@@ -70,9 +73,7 @@ fn check(ctx: &Pkt) -> Option<u32> {
     }
     // SAFETY: [base, base + 4) checked just above; the verifier carries the proven range only
     // along constant offsets from the pointer that was checked, hence one base.
-    let (sport, dport) = unsafe {
-        (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16))
-    };
+    let (sport, dport) = unsafe { (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16)) };
     let master = unsafe { GN_SVC4.get(&ServiceKey4::master(daddr, dport, proto)) }?;
     if master.count != 0 {
         return None; // served by TC LB (the NodePort fast path in XDP is future work)
@@ -119,7 +120,6 @@ fn drop_unless_listener(ctx: &Pkt, tuple: &mut bpf_sock_tuple, size: u32, proto:
     XDP_DROP
 }
 
-
 /// IPv6 twin of `check`.
 #[inline(always)]
 fn check6(ctx: &Pkt) -> Option<u32> {
@@ -138,9 +138,7 @@ fn check6(ctx: &Pkt) -> Option<u32> {
         return None;
     }
     // SAFETY: [base, base + 4) checked just above (one base pointer, constant offsets).
-    let (sport, dport) = unsafe {
-        (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16))
-    };
+    let (sport, dport) = unsafe { (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16)) };
     let master = unsafe { GN_SVC6.get(&ServiceKey6::master(daddr, dport, proto)) }?;
     if master.count != 0 {
         return None;

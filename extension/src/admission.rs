@@ -94,8 +94,7 @@ pub fn validate_shoot(object: &Value) -> Result<(), Vec<String>> {
     }
     let shoot: Shoot = serde_json::from_value(object.clone()).map_err(|e| vec![format!("not a valid Shoot: {e}")])?;
     let networking = shoot.spec.networking.clone().unwrap_or_default();
-    let config = contract::parse_config(networking.provider_config.as_ref(), "spec.networking.providerConfig")
-        .map_err(|p| vec![p.to_string()])?;
+    let config = contract::parse_config(networking.provider_config.as_ref(), "spec.networking.providerConfig").map_err(|p| vec![p.to_string()])?;
     let kube_proxy_enabled = shoot.kube_proxy_enabled();
     let mut problems: Vec<Problem> = contract::check_routing(&config, kube_proxy_enabled);
     let cidrs: Vec<(&'static str, &str)> = [
@@ -182,10 +181,8 @@ impl FileCert {
 
     fn read(cert: &Path, key: &Path, provider: &rustls::crypto::CryptoProvider) -> Result<rustls::sign::CertifiedKey, TlsError> {
         let read = |path: &Path, e: &dyn std::fmt::Display| TlsError::Read { path: path.to_owned(), message: e.to_string() };
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-            .map_err(|e| read(cert, &e))?
-            .collect::<Result<_, _>>()
-            .map_err(|e| read(cert, &e))?;
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_file_iter(cert).map_err(|e| read(cert, &e))?.collect::<Result<_, _>>().map_err(|e| read(cert, &e))?;
         if certs.is_empty() {
             return Err(TlsError::NoCertificate(cert.to_owned()));
         }
@@ -220,11 +217,7 @@ impl rustls::server::ResolvesServerCert for FileCert {
 }
 
 fn reply(code: StatusCode, body: Bytes) -> Response<Full<Bytes>> {
-    Response::builder()
-        .status(code)
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body))
-        .expect("static response parts are valid")
+    Response::builder().status(code).header(hyper::header::CONTENT_TYPE, "application/json").body(Full::new(body)).expect("static response parts are valid")
 }
 
 async fn handle(req: Request<hyper::body::Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {

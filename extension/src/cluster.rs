@@ -164,12 +164,7 @@ const ADDRESS_EXTERNAL: &str = "external";
 impl Shoot {
     /// Gardener's default: kube-proxy runs unless disabled explicitly.
     pub fn kube_proxy_enabled(&self) -> bool {
-        self.spec
-            .kubernetes
-            .kube_proxy
-            .as_ref()
-            .and_then(|k| k.enabled)
-            .unwrap_or(true)
+        self.spec.kubernetes.kube_proxy.as_ref().and_then(|k| k.enabled).unwrap_or(true)
     }
 
     /// The shoot runs Gardener's node-local DNS cache (`spec.systemComponents.nodeLocalDNS`).

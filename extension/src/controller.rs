@@ -143,13 +143,7 @@ fn is_code(e: &Error, code: u16) -> bool {
 }
 
 /// Runs the controller until `shutdown` resolves.
-pub async fn run(
-    seed: Client,
-    settings: Settings,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
-) {
+pub async fn run(seed: Client, settings: Settings, metrics: Arc<Metrics>, health: Arc<Health>, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
     let networks: Api<Network> = Api::all(seed.clone());
     let clusters: Api<Cluster> = Api::all(seed.clone());
     let ctx = Arc::new(Ctx { seed, settings, metrics });
@@ -316,13 +310,7 @@ async fn remove_operation_annotation(ctx: &Ctx, api: &Api<Network>, network: &Ne
 }
 
 /// Create, Reconcile and Restore: render, write Secret and ManagedResource, report.
-async fn deploy(
-    ctx: &Ctx,
-    api: &Api<Network>,
-    network: &Network,
-    shoot: &Shoot,
-    op_type: &LastOperationType,
-) -> Result<Action, Error> {
+async fn deploy(ctx: &Ctx, api: &Api<Network>, network: &Network, shoot: &Shoot, op_type: &LastOperationType) -> Result<Action, Error> {
     let namespace = network.namespace().ok_or(Error::NoNamespace)?;
     let network = add_finalizer(ctx, api, network.clone()).await?;
     let network = patch_status(ctx, api, &network, &status::processing(op_type, &now())).await?;

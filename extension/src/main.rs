@@ -63,10 +63,7 @@ struct AdmissionArgs {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .json()
-        .init();
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).json().init();
     let cli = Cli::parse();
     let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
     runtime.block_on(async {
@@ -117,11 +114,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     tracing::info!("leading; starting the controller");
-    let settings = controller::Settings {
-        image: args.agent_image,
-        delete_timeout: Duration::from_secs(args.delete_timeout),
-        ..Default::default()
-    };
+    let settings = controller::Settings { image: args.agent_image, delete_timeout: Duration::from_secs(args.delete_timeout), ..Default::default() };
     // Stop reconciling as soon as leadership is lost (another replica takes over) or on a signal.
     let lost = async move {
         let lost = async {

@@ -102,10 +102,7 @@ pub fn secret(namespace: &str, mr_name: &str, data: &BTreeMap<String, String>) -
         metadata: ObjectMeta {
             name: Some(secret_name(mr_name, data)),
             namespace: Some(namespace.to_owned()),
-            labels: Some(BTreeMap::from([
-                (LABEL_GARBAGE_COLLECTABLE.to_owned(), "true".to_owned()),
-                (LABEL_MANAGED_RESOURCE.to_owned(), mr_name.to_owned()),
-            ])),
+            labels: Some(BTreeMap::from([(LABEL_GARBAGE_COLLECTABLE.to_owned(), "true".to_owned()), (LABEL_MANAGED_RESOURCE.to_owned(), mr_name.to_owned())])),
             ..Default::default()
         },
         immutable: Some(true),

@@ -29,11 +29,7 @@ impl Default for Metrics {
         let reconciles = Family::<OperationLabel, Counter>::default();
         let errors = Family::<ErrorLabel, Counter>::default();
         registry.register("gardenet_extension_reconciles", "Network operations run, by operation", reconciles.clone());
-        registry.register(
-            "gardenet_extension_reconcile_errors",
-            "Network operations that failed, by operation and kind (configuration, api)",
-            errors.clone(),
-        );
+        registry.register("gardenet_extension_reconcile_errors", "Network operations that failed, by operation and kind (configuration, api)", errors.clone());
         Metrics { registry, reconciles, errors }
     }
 }

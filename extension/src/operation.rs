@@ -73,9 +73,7 @@ impl<'a> Facts<'a> {
             operation: meta.annotations.as_ref().and_then(|a| a.get(ANNOTATION_OPERATION)).map(String::as_str),
             deleting: meta.deletion_timestamp.is_some(),
             has_finalizer: meta.finalizers.iter().flatten().any(|f| f == FINALIZER),
-            last_operation: status
-                .and_then(|s| s.last_operation.as_ref())
-                .map(|op| (op.type_.clone(), op.state.clone())),
+            last_operation: status.and_then(|s| s.last_operation.as_ref()).map(|op| (op.type_.clone(), op.state.clone())),
             generation: meta.generation.unwrap_or_default(),
             observed_generation: status.map(|s| s.observed_generation).unwrap_or_default(),
             shoot_failed,

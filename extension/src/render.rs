@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 
 use gardenet_agent::gardener::config::NetworkConfig;
 use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{ConfigMap, EnvVar};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
-use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -110,9 +110,7 @@ fn daemonset(plan: &Plan, settings: &Settings, config_hash: &str) -> Result<Daem
     let template = &mut ds.spec.template;
     let meta = template.metadata.get_or_insert_with(Default::default);
     meta.labels.get_or_insert_with(BTreeMap::new).extend([critical()]);
-    meta.annotations
-        .get_or_insert_with(BTreeMap::new)
-        .insert(ANNOTATION_CONFIG_HASH.to_owned(), config_hash.to_owned());
+    meta.annotations.get_or_insert_with(BTreeMap::new).insert(ANNOTATION_CONFIG_HASH.to_owned(), config_hash.to_owned());
     let pod = template.spec.get_or_insert_with(Default::default);
     for c in pod.containers.iter_mut().chain(pod.init_containers.iter_mut().flatten()) {
         c.image = Some(settings.image.clone());

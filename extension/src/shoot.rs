@@ -69,9 +69,7 @@ pub async fn client(seed: &Client, namespace: &str) -> Result<Client, ShootAcces
         .filter(|s| !s.is_empty())
         .ok_or_else(|| invalid("no kubeconfig key"))?;
     let kubeconfig = Kubeconfig::from_yaml(&text).map_err(|e| invalid(&e.to_string()))?;
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| invalid(&e.to_string()))?;
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await.map_err(|e| invalid(&e.to_string()))?;
     Ok(Client::try_from(config)?)
 }
 

@@ -6,11 +6,9 @@
 //! Each patch names only the extension's fields, so fields of other writers survive
 //! (`state` and `resources` belong to gardenlet, foreign conditions to their owners).
 
-use gardenet_agent::gardener::aggregate::{self, AggregateInput, RoutingMode, PROVIDER_STATUS_KIND};
-use gardenet_agent::gardener::network::{
-    Condition, LastOperationState, LastOperationType, Network, NetworkStatus, ERR_CONFIGURATION_PROBLEM,
-};
 use gardenet_agent::gardener::aggregate::NodeReadiness;
+use gardenet_agent::gardener::aggregate::{self, AggregateInput, RoutingMode, PROVIDER_STATUS_KIND};
+use gardenet_agent::gardener::network::{Condition, LastOperationState, LastOperationType, Network, NetworkStatus, ERR_CONFIGURATION_PROBLEM};
 use gardenet_agent::gardener::PROVIDER_API_VERSION;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Serialize;
@@ -83,12 +81,7 @@ pub fn error(type_: &LastOperationType, generation: i64, description: &str, conf
 }
 
 pub fn provider_status(plan: &Plan, secret: &str) -> ProviderStatus {
-    ProviderStatus {
-        api_version: PROVIDER_API_VERSION,
-        kind: PROVIDER_STATUS_KIND,
-        mode: plan.routing.into(),
-        secret: secret.to_owned(),
-    }
+    ProviderStatus { api_version: PROVIDER_API_VERSION, kind: PROVIDER_STATUS_KIND, mode: plan.routing.into(), secret: secret.to_owned() }
 }
 
 /// The `ServiceRoutingReady` condition from the shoot's Nodes, merged into the current
@@ -184,13 +177,7 @@ mod tests {
     fn condition_names_not_ready_nodes_and_is_written_only_on_change() {
         let nodes = [
             NodeReadiness { name: "a".into(), schedulable: true, agent_ready: Some(true), ..Default::default() },
-            NodeReadiness {
-                name: "b".into(),
-                schedulable: true,
-                agent_ready: Some(false),
-                reason: Some("syncing".into()),
-                ..Default::default()
-            },
+            NodeReadiness { name: "b".into(), schedulable: true, agent_ready: Some(false), reason: Some("syncing".into()), ..Default::default() },
         ];
         let mut n = network(None);
         let patch = condition_patch(&n, &plan(), &nodes, time("2025-01-01T10:00:00Z")).unwrap();

@@ -84,18 +84,12 @@ impl Shared {
     }
 
     fn record(&self, request: RecordedRequest) {
-        self.requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(request);
+        self.requests.lock().unwrap_or_else(|e| e.into_inner()).push(request);
     }
 
     /// Runs one store mutation and tells the watches, under the store lock so that watches
     /// being set up see each change exactly once. Returns the object after the change.
-    fn commit(
-        &self,
-        f: impl FnOnce(&mut Store) -> Result<&Change, Failure>,
-    ) -> Result<Value, Failure> {
+    fn commit(&self, f: impl FnOnce(&mut Store) -> Result<&Change, Failure>) -> Result<Value, Failure> {
         let mut store = self.store();
         let change = f(&mut store)?.clone();
         let obj = change.new.clone();
@@ -115,9 +109,7 @@ pub struct ApiServer {
 impl ApiServer {
     /// Starts listening on an ephemeral port of 127.0.0.1. Needs a tokio runtime.
     pub async fn start() -> ApiServer {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind 127.0.0.1:0");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0");
         let addr = listener.local_addr().expect("listener address");
         let shared = Arc::new(Shared {
             store: Mutex::default(),
@@ -128,11 +120,7 @@ impl ApiServer {
             connections: AtomicUsize::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
-        ApiServer {
-            shared,
-            addr,
-            accept,
-        }
+        ApiServer { shared, addr, accept }
     }
 
     pub fn url(&self) -> String {
@@ -158,38 +146,27 @@ impl ApiServer {
     /// resourceVersion.
     pub fn apply(&self, obj: impl Serialize) -> Value {
         let obj = serde_json::to_value(obj).expect("object serializes to JSON");
-        let field = |f: &str| {
-            obj.get(f)
-                .and_then(Value::as_str)
-                .unwrap_or_else(|| panic!("object without {f}: {obj}"))
-        };
+        let field = |f: &str| obj.get(f).and_then(Value::as_str).unwrap_or_else(|| panic!("object without {f}: {obj}"));
         let coll = Coll::of_object(field("apiVersion"), field("kind"));
         let ns = match store::namespace_of(&obj) {
             "" if coll.namespaced() => "default",
             ns => ns,
         }
         .to_owned();
-        self.shared
-            .commit(|store| Ok(store.put(&coll, &ns, obj)))
-            .expect("put cannot fail")
+        self.shared.commit(|store| Ok(store.put(&coll, &ns, obj))).expect("put cannot fail")
     }
 
     /// Deletes an object; `kind` may be qualified as `apiVersion/Kind`. Returns the deleted
     /// object, `None` if there was none.
     pub fn delete(&self, kind: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
         let coll = Coll::of_kind(kind).unwrap_or_else(|| panic!("unknown kind {kind}"));
-        self.shared
-            .commit(|store| store.remove(&coll, namespace.unwrap_or_default(), name))
-            .ok()
+        self.shared.commit(|store| store.remove(&coll, namespace.unwrap_or_default(), name)).ok()
     }
 
     /// An object as stored; `kind` may be qualified as `apiVersion/Kind`.
     pub fn get(&self, kind: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
         let coll = Coll::of_kind(kind).unwrap_or_else(|| panic!("unknown kind {kind}"));
-        self.shared
-            .store()
-            .get(&coll, namespace.unwrap_or_default(), name)
-            .cloned()
+        self.shared.store().get(&coll, namespace.unwrap_or_default(), name).cloned()
     }
 
     /// The current (latest) resourceVersion.
@@ -213,10 +190,7 @@ impl ApiServer {
     /// Sends a BOOKMARK with the current resourceVersion to every watch that allows them.
     pub fn bookmark(&self) {
         let store = self.shared.store();
-        let _ = self
-            .shared
-            .signals
-            .send(Signal::Bookmark(store.resource_version()));
+        let _ = self.shared.signals.send(Signal::Bookmark(store.resource_version()));
     }
 
     /// While unavailable, every open connection is dropped and new ones are closed as soon as
@@ -237,20 +211,12 @@ impl ApiServer {
 
     /// HTTP requests served so far.
     pub fn request_count(&self) -> usize {
-        self.shared
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .len()
+        self.shared.requests.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Every HTTP request served so far, oldest first.
     pub fn requests(&self) -> Vec<RecordedRequest> {
-        self.shared
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.shared.requests.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -357,14 +323,8 @@ mod tests {
         let leases: Api<Lease> = Api::namespaced(client(&server), "kube-system");
         let pp = PostParams::default();
         let lease = Lease {
-            metadata: ObjectMeta {
-                name: Some("gardenet".into()),
-                ..Default::default()
-            },
-            spec: Some(LeaseSpec {
-                holder_identity: Some("a".into()),
-                ..Default::default()
-            }),
+            metadata: ObjectMeta { name: Some("gardenet".into()), ..Default::default() },
+            spec: Some(LeaseSpec { holder_identity: Some("a".into()), ..Default::default() }),
         };
         let created = leases.create(&pp, &lease).await.unwrap();
         assert_eq!(api_code(leases.create(&pp, &lease).await), 409);
@@ -372,15 +332,9 @@ mod tests {
         let mut taken = leases.get("gardenet").await.unwrap();
         taken.spec.as_mut().unwrap().holder_identity = Some("b".into());
         let taken = leases.replace("gardenet", &pp, &taken).await.unwrap();
-        assert_ne!(
-            taken.metadata.resource_version,
-            created.metadata.resource_version
-        );
+        assert_ne!(taken.metadata.resource_version, created.metadata.resource_version);
         // Replacing from a stale copy loses.
-        assert_eq!(
-            api_code(leases.replace("gardenet", &pp, &created).await),
-            409
-        );
+        assert_eq!(api_code(leases.replace("gardenet", &pp, &created).await), 409);
         assert_eq!(api_code(leases.get("missing").await), 404);
     }
 
@@ -393,15 +347,9 @@ mod tests {
         let nodes: Api<Node> = Api::all(client(&server));
         let patch = json!({"metadata": {"labels": {"a": "2"}},
                            "status": {"conditions": [{"type": "NetworkUnavailable", "status": "False"}]}});
-        let node = nodes
-            .patch_status("n1", &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .unwrap();
+        let node = nodes.patch_status("n1", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
         assert_eq!(node.metadata.labels.unwrap()["a"], "1");
-        assert_eq!(
-            node.status.unwrap().conditions.unwrap()[0].type_,
-            "NetworkUnavailable"
-        );
+        assert_eq!(node.status.unwrap().conditions.unwrap()[0].type_, "NetworkUnavailable");
 
         let gvk = GroupVersionKind::gvk("extensions.gardener.cloud", "v1alpha1", "Network");
         let resource = ApiResource::from_gvk_with_plural(&gvk, "networks");
@@ -409,42 +357,21 @@ mod tests {
             "apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
             "metadata": {"name": "shoot", "namespace": "shoot--a--b"}, "spec": {"type": "gardenet"},
         }));
-        let networks: Api<DynamicObject> =
-            Api::namespaced_with(client(&server), "shoot--a--b", &resource);
+        let networks: Api<DynamicObject> = Api::namespaced_with(client(&server), "shoot--a--b", &resource);
         let apply = json!({"apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
                            "status": {"observedGeneration": 1}});
-        networks
-            .patch_status(
-                "shoot",
-                &PatchParams::apply("gardenet").force(),
-                &Patch::Apply(&apply),
-            )
-            .await
-            .unwrap();
+        networks.patch_status("shoot", &PatchParams::apply("gardenet").force(), &Patch::Apply(&apply)).await.unwrap();
         let stored = server.get("Network", Some("shoot--a--b"), "shoot").unwrap();
         assert_eq!(stored["status"]["observedGeneration"], 1);
         assert_eq!(stored["spec"]["type"], "gardenet");
 
-        let patches: Vec<_> = server
-            .requests()
-            .into_iter()
-            .filter(|r| r.method == "PATCH")
-            .collect();
+        let patches: Vec<_> = server.requests().into_iter().filter(|r| r.method == "PATCH").collect();
         assert_eq!(patches.len(), 2);
         assert_eq!(patches[0].path, "/api/v1/nodes/n1/status");
-        assert_eq!(
-            patches[0].content_type.as_deref(),
-            Some("application/merge-patch+json")
-        );
+        assert_eq!(patches[0].content_type.as_deref(), Some("application/merge-patch+json"));
         assert_eq!(patches[0].body.as_ref(), Some(&patch));
-        assert_eq!(
-            patches[1].path,
-            "/apis/extensions.gardener.cloud/v1alpha1/namespaces/shoot--a--b/networks/shoot/status"
-        );
-        assert_eq!(
-            patches[1].content_type.as_deref(),
-            Some("application/apply-patch+yaml")
-        );
+        assert_eq!(patches[1].path, "/apis/extensions.gardener.cloud/v1alpha1/namespaces/shoot--a--b/networks/shoot/status");
+        assert_eq!(patches[1].content_type.as_deref(), Some("application/apply-patch+yaml"));
         assert!(patches[1].query.contains("fieldManager=gardenet"));
     }
 
@@ -488,14 +415,8 @@ mod tests {
         let server = ApiServer::start().await;
         let events: Api<Event> = Api::namespaced(client(&server), "default");
         let event = Event {
-            metadata: ObjectMeta {
-                generate_name: Some("svc.".into()),
-                ..Default::default()
-            },
-            involved_object: ObjectReference {
-                kind: Some("Service".into()),
-                ..Default::default()
-            },
+            metadata: ObjectMeta { generate_name: Some("svc.".into()), ..Default::default() },
+            involved_object: ObjectReference { kind: Some("Service".into()), ..Default::default() },
             reason: Some("Programmed".into()),
             ..Default::default()
         };

@@ -214,10 +214,8 @@ impl Lab {
 
 /// YAML for a ClusterIP Service with one port named `p` (TCP and/or UDP).
 pub fn service_yaml(name: &str, vip: &str, port: u16, protos: &[&str]) -> String {
-    let ports: Vec<String> = protos
-        .iter()
-        .map(|p| format!("  - {{name: p-{}, port: {port}, targetPort: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase()))
-        .collect();
+    let ports: Vec<String> =
+        protos.iter().map(|p| format!("  - {{name: p-{}, port: {port}, targetPort: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase())).collect();
     format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  clusterIP: {vip}\n  ports:\n{}\n", ports.join("\n"))
 }
 
@@ -247,10 +245,8 @@ pub fn slice_yaml_on(svc: &str, backends: &[(usize, &str)], protos: &[&str]) -> 
 /// YAML for a dual-stack ClusterIP Service (`ipFamilies: [IPv4, IPv6]`) with one port named
 /// `p-<proto>` per protocol.
 pub fn service_yaml_dual(name: &str, vip4: &str, vip6: &str, port: u16, protos: &[&str]) -> String {
-    let ports: Vec<String> = protos
-        .iter()
-        .map(|p| format!("  - {{name: p-{}, port: {port}, targetPort: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase()))
-        .collect();
+    let ports: Vec<String> =
+        protos.iter().map(|p| format!("  - {{name: p-{}, port: {port}, targetPort: {SERVER_PORT}, protocol: {p}}}", p.to_lowercase())).collect();
     format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: {vip4}\n  clusterIPs: [{vip4}, \"{vip6}\"]\n  ports:\n{}\n",
         ports.join("\n")
@@ -314,14 +310,8 @@ impl Agent {
     pub fn start_in(tag: &str, ns: &Netns, cgroup: Option<&TestCgroup>, opts: AgentOpts, manifests: &[(&str, String)]) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("{tag}-manifests"));
         std::fs::create_dir_all(&dir)?;
-        let mut a = Agent {
-            proc: None,
-            bpffs: PathBuf::from("/sys/fs/bpf").join(tag),
-            dir,
-            log: Default::default(),
-            bin: sibling_binary("gardenet-agent")?,
-            opts,
-        };
+        let mut a =
+            Agent { proc: None, bpffs: PathBuf::from("/sys/fs/bpf").join(tag), dir, log: Default::default(), bin: sibling_binary("gardenet-agent")?, opts };
         for (f, y) in manifests {
             a.write(f, y)?;
         }
@@ -331,10 +321,12 @@ impl Agent {
 
     fn launch(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<()> {
         let mut cmd = ns.command(&self.bin, None)?;
-        cmd.arg("run")
-            .arg(format!("--source=dir:{}", self.dir.display()))
-            .arg(format!("--bpffs={}", self.bpffs.display()))
-            .args(["--node-name", NODE_NAME, "--poll-ms", "100"]);
+        cmd.arg("run").arg(format!("--source=dir:{}", self.dir.display())).arg(format!("--bpffs={}", self.bpffs.display())).args([
+            "--node-name",
+            NODE_NAME,
+            "--poll-ms",
+            "100",
+        ]);
         if reset {
             cmd.arg("--reset");
         }
@@ -408,12 +400,8 @@ impl Agent {
             let fe = &f["frontend"];
             let s = format!("{}:{}/{}", bracket(fe["addr"].as_str().unwrap_or("")), fe["port"], fe["proto"].as_str().unwrap_or(""));
             if s == frontend {
-                let mut b: Vec<String> = f["backends"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|b| format!("{}:{}", bracket(b["addr"].as_str().unwrap_or("")), b["port"]))
-                    .collect();
+                let mut b: Vec<String> =
+                    f["backends"].as_array().into_iter().flatten().map(|b| format!("{}:{}", bracket(b["addr"].as_str().unwrap_or("")), b["port"])).collect();
                 b.sort();
                 return Ok(Some(b));
             }
@@ -456,17 +444,16 @@ impl Drop for Agent {
 
 /// An address as it appears in `ADDR:PORT`: IPv6 in brackets.
 fn bracket(a: &str) -> String {
-    if a.contains(':') { format!("[{a}]") } else { a.to_string() }
+    if a.contains(':') {
+        format!("[{a}]")
+    } else {
+        a.to_string()
+    }
 }
 
 /// Parses netkit's `counts` object into (name, count) pairs.
 pub fn counts(v: &serde_json::Value) -> Vec<(String, u64)> {
-    let mut out: Vec<(String, u64)> = v["counts"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0)))
-        .collect();
+    let mut out: Vec<(String, u64)> = v["counts"].as_object().into_iter().flatten().map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0))).collect();
     out.sort();
     out
 }

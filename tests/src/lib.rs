@@ -1,4 +1,3 @@
-
 pub mod apiserver;
 pub mod lab;
 pub mod netns;

@@ -106,9 +106,7 @@ impl Netns {
     }
 
     pub fn sysctl(&self, key: &str, val: &str) -> Result<()> {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "sysctl", "-qw", &format!("{key}={val}")])
-            .output()?;
+        let out = Command::new("ip").args(["netns", "exec", &self.name, "sysctl", "-qw", &format!("{key}={val}")]).output()?;
         if !out.status.success() {
             bail!("sysctl {key}={val} in {}: {}", self.name, String::from_utf8_lossy(&out.stderr));
         }

@@ -163,10 +163,8 @@ fn external_traffic_policy_local_and_its_health_check() {
 fn client_ip_affinity_on_both_paths() {
     let _g = serial();
     let lab = Lab::new(3).unwrap();
-    let svc = service_yaml("web", VIP, 80, &["TCP"]).replace(
-        "spec:\n",
-        "spec:\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n",
-    );
+    let svc = service_yaml("web", VIP, 80, &["TCP"])
+        .replace("spec:\n", "spec:\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n");
     let agent = Agent::start(
         &lab,
         AgentOpts { socket_lb: true, tc: true, ..Default::default() },

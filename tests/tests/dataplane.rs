@@ -6,7 +6,9 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use gardenet_tests::lab::{assert_udp_flow_leaves_departed_backend, backend_ip, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT, refusal_outcome};
+use gardenet_tests::lab::{
+    assert_udp_flow_leaves_departed_backend, backend_ip, counts, refusal_outcome, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
+};
 
 /// One lab at a time: tests share the machine's two cores and keep timings sane.
 static LOCK: Mutex<()> = Mutex::new(());
@@ -23,12 +25,9 @@ fn vip() -> String {
 
 fn setup(opts: AgentOpts, backends: &[usize]) -> (Lab, Agent) {
     let lab = Lab::new(3).expect("lab");
-    let agent = Agent::start(
-        &lab,
-        opts,
-        &[("svc.yaml", service_yaml("web", VIP, PORT, &["TCP", "UDP"])), ("eps.yaml", slice_yaml("web", backends, &["TCP", "UDP"]))],
-    )
-    .expect("agent");
+    let agent =
+        Agent::start(&lab, opts, &[("svc.yaml", service_yaml("web", VIP, PORT, &["TCP", "UDP"])), ("eps.yaml", slice_yaml("web", backends, &["TCP", "UDP"]))])
+            .expect("agent");
     agent.wait_backends(&format!("{}/tcp", vip()), backends.len()).unwrap();
     agent.wait_backends(&format!("{}/udp", vip()), backends.len()).unwrap();
     (lab, agent)
@@ -106,13 +105,7 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
 
 fn backend_removal(socket_lb: bool) {
     let (lab, agent) = setup(AgentOpts { socket_lb: true, tc: !socket_lb, ..Default::default() }, &[0, 1, 2]);
-    let mut hold = lab
-        .client_cmd(socket_lb, &["hold", "--to", &vip(), "--conns", "12"])
-        .unwrap()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut hold = lab.client_cmd(socket_lb, &["hold", "--to", &vip(), "--conns", "12"]).unwrap().stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     let mut out = BufReader::new(hold.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();

@@ -60,25 +60,13 @@ fn docs_of_text(name: &str, text: &str) -> Vec<Doc> {
     let mut out = Vec::new();
     for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let origin = format!("{name}#{i}");
-        let value = serde_yaml::Value::deserialize(de)
-            .unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
+        let value = serde_yaml::Value::deserialize(de).unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
         if value.is_null() {
             continue; // an empty document, e.g. before the first `---`
         }
-        let field = |k: &str| {
-            value
-                .get(k)
-                .and_then(|v| v.as_str())
-                .unwrap_or_else(|| panic!("{origin}: no {k}"))
-                .to_owned()
-        };
+        let field = |k: &str| value.get(k).and_then(|v| v.as_str()).unwrap_or_else(|| panic!("{origin}: no {k}")).to_owned();
         let (api_version, kind) = (field("apiVersion"), field("kind"));
-        out.push(Doc {
-            origin,
-            api_version,
-            kind,
-            value,
-        });
+        out.push(Doc { origin, api_version, kind, value });
     }
     out
 }
@@ -95,10 +83,7 @@ fn try_strict<T: DeserializeOwned>(doc: &Doc) -> Result<T, String> {
     // already read both (and k8s-openapi's types check them).
     ignored.retain(|p| p != "apiVersion" && p != "kind");
     if !ignored.is_empty() {
-        return Err(format!(
-            "{} ({}): unknown fields {ignored:?}",
-            doc.origin, doc.kind
-        ));
+        return Err(format!("{} ({}): unknown fields {ignored:?}", doc.origin, doc.kind));
     }
     Ok(value)
 }
@@ -110,9 +95,7 @@ fn strict<T: DeserializeOwned>(doc: &Doc) -> T {
 fn one<T: DeserializeOwned>(kind: &str) -> T {
     let all = docs();
     let mut matching = all.iter().filter(|d| d.kind == kind);
-    let doc = matching
-        .next()
-        .unwrap_or_else(|| panic!("no {kind} in deploy/"));
+    let doc = matching.next().unwrap_or_else(|| panic!("no {kind} in deploy/"));
     assert!(matching.next().is_none(), "more than one {kind} in deploy/");
     strict(doc)
 }
@@ -126,35 +109,17 @@ fn every_manifest_parses_strictly() {
             ("v1", "ServiceAccount") => drop(strict::<ServiceAccount>(&doc)),
             ("apps/v1", "DaemonSet") => drop(strict::<DaemonSet>(&doc)),
             ("rbac.authorization.k8s.io/v1", "ClusterRole") => drop(strict::<ClusterRole>(&doc)),
-            ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
-                drop(strict::<ClusterRoleBinding>(&doc))
-            }
+            ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => drop(strict::<ClusterRoleBinding>(&doc)),
             ("rbac.authorization.k8s.io/v1", "Role") => drop(strict::<Role>(&doc)),
             ("rbac.authorization.k8s.io/v1", "RoleBinding") => drop(strict::<RoleBinding>(&doc)),
-            ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
-                drop(strict::<CustomResourceDefinition>(&doc))
-            }
-            ("extensions.gardener.cloud/v1alpha1", "Network") => {
-                drop(strict::<network::Network>(&doc))
-            }
-            (api, kind) => panic!(
-                "{}: no type to check {api} {kind} against; add it here",
-                doc.origin
-            ),
+            ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => drop(strict::<CustomResourceDefinition>(&doc)),
+            ("extensions.gardener.cloud/v1alpha1", "Network") => drop(strict::<network::Network>(&doc)),
+            (api, kind) => panic!("{}: no type to check {api} {kind} against; add it here", doc.origin),
         }
         kinds.insert(doc.kind);
     }
-    for kind in [
-        "ConfigMap",
-        "ServiceAccount",
-        "DaemonSet",
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "Role",
-        "RoleBinding",
-        "CustomResourceDefinition",
-        "Network",
-    ] {
+    for kind in ["ConfigMap", "ServiceAccount", "DaemonSet", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "CustomResourceDefinition", "Network"]
+    {
         assert!(kinds.contains(kind), "deploy/ has no {kind}");
     }
 }
@@ -162,26 +127,17 @@ fn every_manifest_parses_strictly() {
 #[test]
 fn strict_parsing_catches_misplaced_fields() {
     // Guard for the guard: a field in the wrong place must be reported, not dropped.
-    let value: serde_yaml::Value = serde_yaml::from_str(
-        "apiVersion: apps/v1\nkind: DaemonSet\nmetadata: {name: x}\nspec:\n  selector: {}\n  hostNetwork: true\n  template: {}\n",
-    )
-    .unwrap();
-    let doc = Doc {
-        origin: "inline".into(),
-        api_version: "apps/v1".into(),
-        kind: "DaemonSet".into(),
-        value,
-    };
+    let value: serde_yaml::Value =
+        serde_yaml::from_str("apiVersion: apps/v1\nkind: DaemonSet\nmetadata: {name: x}\nspec:\n  selector: {}\n  hostNetwork: true\n  template: {}\n")
+            .unwrap();
+    let doc = Doc { origin: "inline".into(), api_version: "apps/v1".into(), kind: "DaemonSet".into(), value };
     let msg = try_strict::<DaemonSet>(&doc).expect_err("misplaced field accepted");
     assert!(msg.contains("hostNetwork"), "{msg}");
 }
 
 fn containers(ds: &DaemonSet) -> (Vec<Container>, Vec<Container>) {
     let pod = ds.spec.template.spec.as_ref().unwrap();
-    (
-        pod.containers.clone(),
-        pod.init_containers.clone().unwrap_or_default(),
-    )
+    (pod.containers.clone(), pod.init_containers.clone().unwrap_or_default())
 }
 
 #[test]
@@ -196,38 +152,21 @@ fn check_daemonset(ds: &DaemonSet) {
     let pod = spec.template.spec.as_ref().unwrap();
 
     assert_eq!(pod.host_network, Some(true));
-    assert_eq!(
-        pod.priority_class_name.as_deref(),
-        Some("system-node-critical")
-    );
+    assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
     assert_eq!(pod.service_account_name.as_deref(), Some("gardenet-agent"));
     let tolerations = pod.tolerations.as_ref().expect("tolerations");
     assert!(
-        tolerations
-            .iter()
-            .any(|t| t.operator.as_deref() == Some("Exists")
-                && t.key.is_none()
-                && t.effect.is_none()),
+        tolerations.iter().any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none() && t.effect.is_none()),
         "must tolerate every taint: {tolerations:?}"
     );
 
     let strategy = spec.update_strategy.as_ref().unwrap();
     assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
-    assert_eq!(
-        strategy.rolling_update.as_ref().unwrap().max_unavailable,
-        Some(IntOrString::Int(1))
-    );
+    assert_eq!(strategy.rolling_update.as_ref().unwrap().max_unavailable, Some(IntOrString::Int(1)));
 
     // Selector matches the template.
     let selector = spec.selector.match_labels.as_ref().unwrap();
-    let labels = spec
-        .template
-        .metadata
-        .as_ref()
-        .unwrap()
-        .labels
-        .as_ref()
-        .unwrap();
+    let labels = spec.template.metadata.as_ref().unwrap().labels.as_ref().unwrap();
     for (k, v) in selector {
         assert_eq!(labels.get(k), Some(v), "template lacks selector label {k}");
     }
@@ -252,109 +191,42 @@ fn check_daemonset(ds: &DaemonSet) {
             "--kube-proxy-enabled=false"
         ]
     );
-    let node_name = agent
-        .env
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|e| e.name == "NODE_NAME")
-        .expect("NODE_NAME");
-    let field_ref = node_name
-        .value_from
-        .as_ref()
-        .and_then(|v| v.field_ref.as_ref())
-        .expect("NODE_NAME from fieldRef");
+    let node_name = agent.env.as_ref().unwrap().iter().find(|e| e.name == "NODE_NAME").expect("NODE_NAME");
+    let field_ref = node_name.value_from.as_ref().and_then(|v| v.field_ref.as_ref()).expect("NODE_NAME from fieldRef");
     assert_eq!(field_ref.field_path, "spec.nodeName");
 
     // Capabilities instead of privileged.
     for c in main.iter().chain(&init) {
-        let sc = c
-            .security_context
-            .as_ref()
-            .unwrap_or_else(|| panic!("{}: no securityContext", c.name));
+        let sc = c.security_context.as_ref().unwrap_or_else(|| panic!("{}: no securityContext", c.name));
         assert_ne!(sc.privileged, Some(true), "{} is privileged", c.name);
         let caps = sc.capabilities.as_ref().unwrap();
-        assert_eq!(
-            caps.drop.as_deref(),
-            Some(&["ALL".to_owned()][..]),
-            "{} must drop ALL",
-            c.name
-        );
+        assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]), "{} must drop ALL", c.name);
     }
-    let caps: BTreeSet<&str> = agent
-        .security_context
-        .as_ref()
-        .unwrap()
-        .capabilities
-        .as_ref()
-        .unwrap()
-        .add
-        .as_ref()
-        .unwrap()
-        .iter()
-        .map(String::as_str)
-        .collect();
-    assert_eq!(
-        caps,
-        BTreeSet::from(["BPF", "NET_ADMIN", "SYS_ADMIN", "PERFMON", "SYS_RESOURCE"])
-    );
+    let caps: BTreeSet<&str> =
+        agent.security_context.as_ref().unwrap().capabilities.as_ref().unwrap().add.as_ref().unwrap().iter().map(String::as_str).collect();
+    assert_eq!(caps, BTreeSet::from(["BPF", "NET_ADMIN", "SYS_ADMIN", "PERFMON", "SYS_RESOURCE"]));
 
     // Probes on the health port.
-    let port = |name: &str| {
-        agent
-            .ports
-            .as_ref()
-            .unwrap()
-            .iter()
-            .find(|p| p.name.as_deref() == Some(name))
-            .map(|p| p.container_port)
-    };
+    let port = |name: &str| agent.ports.as_ref().unwrap().iter().find(|p| p.name.as_deref() == Some(name)).map(|p| p.container_port);
     assert_eq!(port("health"), Some(9878));
     assert_eq!(port("metrics"), Some(9879));
     assert_eq!(port("proxy-healthz"), Some(10256), "kube-proxy's health check port, as the agent's default");
-    for (probe, path) in [
-        (&agent.readiness_probe, "/readyz"),
-        (&agent.liveness_probe, "/healthz"),
-    ] {
-        let get = probe
-            .as_ref()
-            .and_then(|p| p.http_get.as_ref())
-            .unwrap_or_else(|| panic!("no {path} probe"));
+    for (probe, path) in [(&agent.readiness_probe, "/readyz"), (&agent.liveness_probe, "/healthz")] {
+        let get = probe.as_ref().and_then(|p| p.http_get.as_ref()).unwrap_or_else(|| panic!("no {path} probe"));
         assert_eq!(get.path.as_deref(), Some(path));
         assert_eq!(get.port, IntOrString::String("health".into()));
     }
 
     // Host mounts: bpffs and cgroup2 where --bpffs/--cgroup point, and the config file.
     let volumes = pod.volumes.as_ref().unwrap();
-    let host_path = |volume: &str| {
-        volumes
-            .iter()
-            .find(|v| v.name == volume)
-            .and_then(|v| v.host_path.as_ref())
-            .map(|h| h.path.clone())
-    };
-    let mount = |path: &str| {
-        agent
-            .volume_mounts
-            .as_ref()
-            .unwrap()
-            .iter()
-            .find(|m| m.mount_path == path)
-            .map(|m| m.name.clone())
-    };
+    let host_path = |volume: &str| volumes.iter().find(|v| v.name == volume).and_then(|v| v.host_path.as_ref()).map(|h| h.path.clone());
+    let mount = |path: &str| agent.volume_mounts.as_ref().unwrap().iter().find(|m| m.mount_path == path).map(|m| m.name.clone());
     let bpffs = mount("/sys/fs/bpf").expect("bpffs mount");
     assert_eq!(host_path(&bpffs).as_deref(), Some("/sys/fs/bpf"));
     let cgroup = mount("/run/gardenet/cgroupv2").expect("cgroup2 mount");
-    assert_eq!(
-        host_path(&cgroup).as_deref(),
-        Some("/run/gardenet/cgroupv2")
-    );
+    assert_eq!(host_path(&cgroup).as_deref(), Some("/run/gardenet/cgroupv2"));
     let config = mount("/etc/gardenet").expect("config mount");
-    let cm = volumes
-        .iter()
-        .find(|v| v.name == config)
-        .and_then(|v| v.config_map.as_ref())
-        .expect("config from a ConfigMap");
+    let cm = volumes.iter().find(|v| v.name == config).and_then(|v| v.config_map.as_ref()).expect("config from a ConfigMap");
     let configmap: ConfigMap = one("ConfigMap");
     assert_eq!(Some(&cm.name), configmap.metadata.name.as_ref());
 
@@ -371,12 +243,8 @@ fn rules_of(rules: &Option<Vec<PolicyRule>>) -> Vec<PolicyRule> {
 
 fn allows(rules: &[PolicyRule], group: &str, resource: &str, verb: &str) -> bool {
     rules.iter().any(|r| {
-        r.api_groups
-            .as_ref()
-            .is_some_and(|g| g.iter().any(|g| g == group))
-            && r.resources
-                .as_ref()
-                .is_some_and(|rs| rs.iter().any(|r| r == resource))
+        r.api_groups.as_ref().is_some_and(|g| g.iter().any(|g| g == group))
+            && r.resources.as_ref().is_some_and(|rs| rs.iter().any(|r| r == resource))
             && r.verbs.iter().any(|v| v == verb)
     })
 }
@@ -392,19 +260,11 @@ fn rbac_is_least_privilege() {
     let cluster_rules = rules_of(&cr.rules);
     let role_rules = rules_of(&role.rules);
     for r in cluster_rules.iter().chain(&role_rules) {
-        for word in r
-            .verbs
-            .iter()
-            .chain(r.resources.iter().flatten())
-            .chain(r.api_groups.iter().flatten())
-        {
+        for word in r.verbs.iter().chain(r.resources.iter().flatten()).chain(r.api_groups.iter().flatten()) {
             assert_ne!(word, "*", "wildcard in {r:?}");
         }
         for verb in &r.verbs {
-            assert!(
-                ["get", "list", "watch", "create", "update", "patch"].contains(&verb.as_str()),
-                "unexpected verb {verb} in {r:?}"
-            );
+            assert!(["get", "list", "watch", "create", "update", "patch"].contains(&verb.as_str()), "unexpected verb {verb} in {r:?}");
         }
         assert!(r.non_resource_urls.is_none(), "{r:?}");
     }
@@ -423,10 +283,7 @@ fn rbac_is_least_privilege() {
         ("extensions.gardener.cloud", "networks/status", "patch"),
         ("events.k8s.io", "events", "create"),
     ] {
-        assert!(
-            allows(&cluster_rules, group, resource, verb),
-            "ClusterRole lacks {verb} {group}/{resource}"
-        );
+        assert!(allows(&cluster_rules, group, resource, verb), "ClusterRole lacks {verb} {group}/{resource}");
     }
     // Read-only where the agent only reads; no write on Nodes, Networks themselves or Secrets.
     for (group, resource, verb) in [
@@ -437,39 +294,16 @@ fn rbac_is_least_privilege() {
         ("", "secrets", "get"),
         ("", "secrets", "list"),
     ] {
-        assert!(
-            !allows(&cluster_rules, group, resource, verb),
-            "ClusterRole allows {verb} {group}/{resource}"
-        );
+        assert!(!allows(&cluster_rules, group, resource, verb), "ClusterRole allows {verb} {group}/{resource}");
     }
-    assert!(
-        !cluster_rules
-            .iter()
-            .any(|r| r.resources.iter().flatten().any(|x| x == "leases")),
-        "leases only in the Role"
-    );
+    assert!(!cluster_rules.iter().any(|r| r.resources.iter().flatten().any(|x| x == "leases")), "leases only in the Role");
 
     // Leases: namespaced, and only the election Lease may be changed.
-    assert_eq!(
-        role.metadata.namespace.as_deref(),
-        Some(gardenet_agent::gardener::LEASE_NAMESPACE)
-    );
-    assert!(allows(
-        &role_rules,
-        "coordination.k8s.io",
-        "leases",
-        "create"
-    ));
+    assert_eq!(role.metadata.namespace.as_deref(), Some(gardenet_agent::gardener::LEASE_NAMESPACE));
+    assert!(allows(&role_rules, "coordination.k8s.io", "leases", "create"));
     for r in &role_rules {
-        if r.verbs
-            .iter()
-            .any(|v| v == "update" || v == "patch" || v == "get")
-        {
-            assert_eq!(
-                r.resource_names.as_deref(),
-                Some(&[gardenet_agent::gardener::LEASE_NAME.to_owned()][..]),
-                "{r:?}"
-            );
+        if r.verbs.iter().any(|v| v == "update" || v == "patch" || v == "get") {
+            assert_eq!(r.resource_names.as_deref(), Some(&[gardenet_agent::gardener::LEASE_NAME.to_owned()][..]), "{r:?}");
         }
     }
 
@@ -482,10 +316,7 @@ fn rbac_is_least_privilege() {
     assert_eq!(rb.role_ref.kind, "Role");
     assert_eq!(Some(&rb.role_ref.name), role.metadata.name.as_ref());
     assert_eq!(rb.metadata.namespace, role.metadata.namespace);
-    for subjects in [
-        crb.subjects.as_ref().unwrap(),
-        rb.subjects.as_ref().unwrap(),
-    ] {
+    for subjects in [crb.subjects.as_ref().unwrap(), rb.subjects.as_ref().unwrap()] {
         assert_eq!(subjects.len(), 1);
         assert_eq!(subjects[0].kind, "ServiceAccount");
         assert_eq!(subjects[0].name, sa_name);
@@ -499,19 +330,10 @@ fn rbac_is_least_privilege() {
 #[test]
 fn configmap_holds_a_valid_network_config() {
     let cm: ConfigMap = one("ConfigMap");
-    let text = cm
-        .data
-        .as_ref()
-        .and_then(|d| d.get("config.yaml"))
-        .expect("config.yaml key");
-    let config =
-        NetworkConfig::from_yaml_str(text).unwrap_or_else(|e| panic!("configmap.yaml: {e}"));
+    let text = cm.data.as_ref().and_then(|d| d.get("config.yaml")).expect("config.yaml key");
+    let config = NetworkConfig::from_yaml_str(text).unwrap_or_else(|e| panic!("configmap.yaml: {e}"));
     // The example documents the defaults; keep it in sync with them.
-    assert_eq!(
-        config,
-        NetworkConfig::default(),
-        "configmap.yaml should show the defaults"
-    );
+    assert_eq!(config, NetworkConfig::default(), "configmap.yaml should show the defaults");
 }
 
 fn crd() -> CustomResourceDefinition {
@@ -520,17 +342,8 @@ fn crd() -> CustomResourceDefinition {
 
 fn crd_schema() -> JSONSchemaProps {
     let crd = crd();
-    let version = crd
-        .spec
-        .versions
-        .iter()
-        .find(|v| v.name == network::VERSION)
-        .expect("v1alpha1");
-    version
-        .schema
-        .clone()
-        .and_then(|s| s.open_api_v3_schema)
-        .expect("openAPIV3Schema")
+    let version = crd.spec.versions.iter().find(|v| v.name == network::VERSION).expect("v1alpha1");
+    version.schema.clone().and_then(|s| s.open_api_v3_schema).expect("openAPIV3Schema")
 }
 
 /// A small structural-schema check: what the API server would reject or prune.
@@ -569,9 +382,7 @@ fn check_schema(value: &Value, schema: &JSONSchemaProps, path: &str, errors: &mu
             }
         }
         (Some("string"), Value::String(s)) => {
-            if schema.format.as_deref() == Some("date-time")
-                && s.parse::<k8s_openapi::jiff::Timestamp>().is_err()
-            {
+            if schema.format.as_deref() == Some("date-time") && s.parse::<k8s_openapi::jiff::Timestamp>().is_err() {
                 errors.push(format!("{path}: {s:?} is not a date-time"));
             }
         }
@@ -585,83 +396,40 @@ fn check_schema(value: &Value, schema: &JSONSchemaProps, path: &str, errors: &mu
 fn assert_conforms(value: &Value, what: &str) {
     let mut errors = Vec::new();
     check_schema(value, &crd_schema(), "", &mut errors);
-    assert!(
-        errors.is_empty(),
-        "{what} does not fit crd-network.yaml: {errors:#?}"
-    );
+    assert!(errors.is_empty(), "{what} does not fit crd-network.yaml: {errors:#?}");
 }
 
 #[test]
 fn crd_matches_the_agents_network_type() {
     let crd = crd();
-    assert_eq!(
-        crd.metadata.name.as_deref(),
-        Some("networks.extensions.gardener.cloud")
-    );
+    assert_eq!(crd.metadata.name.as_deref(), Some("networks.extensions.gardener.cloud"));
     assert_eq!(crd.spec.group, network::GROUP);
     assert_eq!(crd.spec.names.kind, network::KIND);
     assert_eq!(crd.spec.names.plural, network::PLURAL);
     assert_eq!(crd.spec.scope, "Namespaced");
-    let version = crd
-        .spec
-        .versions
-        .iter()
-        .find(|v| v.name == network::VERSION)
-        .expect("v1alpha1");
+    let version = crd.spec.versions.iter().find(|v| v.name == network::VERSION).expect("v1alpha1");
     assert!(version.served && version.storage);
-    assert!(
-        version
-            .subresources
-            .as_ref()
-            .and_then(|s| s.status.as_ref())
-            .is_some(),
-        "status subresource"
-    );
+    assert!(version.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some(), "status subresource");
 
     let schema = crd_schema();
     let props = schema.properties.as_ref().unwrap();
     let spec = &props["spec"];
-    assert_eq!(
-        spec.properties.as_ref().unwrap()["providerConfig"].x_kubernetes_preserve_unknown_fields,
-        Some(true)
-    );
+    assert_eq!(spec.properties.as_ref().unwrap()["providerConfig"].x_kubernetes_preserve_unknown_fields, Some(true));
     let status = props["status"].properties.as_ref().unwrap();
-    assert_eq!(
-        status["providerStatus"].x_kubernetes_preserve_unknown_fields,
-        Some(true)
-    );
+    assert_eq!(status["providerStatus"].x_kubernetes_preserve_unknown_fields, Some(true));
 }
 
 /// What the aggregating agent writes must be accepted by the CRD.
 #[test]
 fn status_written_by_the_agent_fits_the_crd() {
     use aggregate::{aggregate, merge, AggregateInput, NodeReadiness};
-    let spec = network::NetworkSpec {
-        type_: "gardenet".into(),
-        pod_cidr: "100.96.0.0/11".into(),
-        service_cidr: "100.64.0.0/13".into(),
-        ..Default::default()
-    };
+    let spec = network::NetworkSpec { type_: "gardenet".into(), pod_cidr: "100.96.0.0/11".into(), service_cidr: "100.64.0.0/13".into(), ..Default::default() };
     let config = NetworkConfig::default();
-    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-        "2024-05-01T10:00:00Z".parse().unwrap(),
-    );
-    let broken = NodeReadiness {
-        name: "n1".into(),
-        schedulable: true,
-        agent_ready: Some(false),
-        reason: None,
-        missing: vec!["bpf() is not permitted (EPERM)".into()],
-    };
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time("2024-05-01T10:00:00Z".parse().unwrap());
+    let broken =
+        NodeReadiness { name: "n1".into(), schedulable: true, agent_ready: Some(false), reason: None, missing: vec!["bpf() is not permitted (EPERM)".into()] };
     let nodes = [broken];
-    let desired = aggregate(&AggregateInput {
-        generation: 4,
-        spec: &spec,
-        config: &config,
-        kube_proxy_enabled: false,
-        nodes: &nodes,
-        now,
-    });
+    let desired = aggregate(&AggregateInput { generation: 4, spec: &spec, config: &config, kube_proxy_enabled: false, nodes: &nodes, now });
     let status = merge(None, &desired);
     let object = serde_json::json!({
         "apiVersion": "extensions.gardener.cloud/v1alpha1",
@@ -671,23 +439,16 @@ fn status_written_by_the_agent_fits_the_crd() {
         "status": serde_json::to_value(&status).unwrap(),
     });
     assert_conforms(&object, "the aggregated status");
-    assert_eq!(
-        object["status"]["lastError"]["codes"][0],
-        network::ERR_CONFIGURATION_PROBLEM
-    );
+    assert_eq!(object["status"]["lastError"]["codes"][0], network::ERR_CONFIGURATION_PROBLEM);
 }
 
 #[test]
 fn network_example_is_a_valid_gardenet_network() {
     let all = docs();
-    let doc = all
-        .iter()
-        .find(|d| d.kind == "Network")
-        .expect("a Network in deploy/");
+    let doc = all.iter().find(|d| d.kind == "Network").expect("a Network in deploy/");
     let net: network::Network = strict(doc);
     assert_eq!(net.spec.type_, gardenet_agent::gardener::NETWORK_TYPE);
-    let config =
-        NetworkConfig::from_network(&net).unwrap_or_else(|e| panic!("{}: {e}", doc.origin));
+    let config = NetworkConfig::from_network(&net).unwrap_or_else(|e| panic!("{}: {e}", doc.origin));
     assert_eq!(config.kube_proxy_replacement.enabled, Some(true));
     let json: Value = serde_json::to_value(&doc.value).unwrap();
     assert_conforms(&json, &doc.origin);
@@ -696,23 +457,12 @@ fn network_example_is_a_valid_gardenet_network() {
 #[test]
 fn dockerfile_is_multi_stage_and_embeds_the_ebpf_object() {
     let text = std::fs::read_to_string(deploy_dir().join("Dockerfile")).expect("deploy/Dockerfile");
-    let stages = text
-        .lines()
-        .filter(|l| l.trim_start().to_ascii_uppercase().starts_with("FROM "))
-        .count();
+    let stages = text.lines().filter(|l| l.trim_start().to_ascii_uppercase().starts_with("FROM ")).count();
     assert!(stages >= 2, "Dockerfile should be multi-stage");
-    let build_ebpf = text
-        .find("cargo xtask build-ebpf")
-        .expect("builds the eBPF object with xtask");
+    let build_ebpf = text.find("cargo xtask build-ebpf").expect("builds the eBPF object with xtask");
     let build_agent = text.find("-p gardenet-agent").expect("builds the agent");
-    assert!(
-        build_ebpf < build_agent,
-        "the eBPF object must exist before the agent embeds it"
-    );
-    assert!(
-        text.contains("COPY --from="),
-        "final stage copies the binary only"
-    );
+    assert!(build_ebpf < build_agent, "the eBPF object must exist before the agent embeds it");
+    assert!(text.contains("COPY --from="), "final stage copies the binary only");
 }
 
 #[test]
@@ -735,19 +485,9 @@ fn readme_describes_every_manifest() {
             names.insert(name.clone(), readme.contains(&format!("`{name}`")));
         }
     }
-    let missing: Vec<_> = names
-        .iter()
-        .filter(|(_, found)| !**found)
-        .map(|(n, _)| n)
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "README.md does not describe {missing:?}"
-    );
-    assert!(
-        readme.contains("privileged: true"),
-        "README.md documents the privileged fallback"
-    );
+    let missing: Vec<_> = names.iter().filter(|(_, found)| !**found).map(|(n, _)| n).collect();
+    assert!(missing.is_empty(), "README.md does not describe {missing:?}");
+    assert!(readme.contains("privileged: true"), "README.md documents the privileged fallback");
 }
 
 // --- gardenet-extension: deploy/extension/ and the manifests it renders into shoots ---
@@ -762,8 +502,7 @@ fn extension_docs() -> Vec<Doc> {
 /// substitute values (no logic), so plain replacement is Helm's result.
 fn chart_docs() -> Vec<Doc> {
     let chart = deploy_dir().join("extension/chart");
-    let values: BTreeMap<String, serde_yaml::Value> =
-        serde_yaml::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let values: BTreeMap<String, serde_yaml::Value> = serde_yaml::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
     let meta: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(chart.join("Chart.yaml")).unwrap()).unwrap();
     assert_eq!(meta["apiVersion"].as_str(), Some("v2"));
     let mut docs = Vec::new();
@@ -795,9 +534,7 @@ fn check_strictly(doc: &Doc) {
         ("rbac.authorization.k8s.io/v1", "Role") => drop(strict::<Role>(doc)),
         ("rbac.authorization.k8s.io/v1", "RoleBinding") => drop(strict::<RoleBinding>(doc)),
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => drop(strict::<CustomResourceDefinition>(doc)),
-        ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration") => {
-            drop(strict::<ValidatingWebhookConfiguration>(doc))
-        }
+        ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration") => drop(strict::<ValidatingWebhookConfiguration>(doc)),
         // Gardener's own types: no Rust types here; their fields are asserted below.
         ("core.gardener.cloud/v1beta1", "ControllerRegistration") | ("core.gardener.cloud/v1", "ControllerDeployment") => {}
         (api, kind) => panic!("{}: no type to check {api} {kind} against; add it here", doc.origin),
@@ -825,15 +562,9 @@ fn extension_manifests_parse_strictly() {
     for kind in ["Deployment", "ClusterRole", "ValidatingWebhookConfiguration", "ControllerRegistration", "ControllerDeployment"] {
         assert!(kinds.contains(kind), "deploy/extension has no {kind}");
     }
-    let crds: BTreeSet<String> = docs
-        .iter()
-        .filter(|d| d.kind == "CustomResourceDefinition")
-        .map(|d| strict::<CustomResourceDefinition>(d).metadata.name.unwrap())
-        .collect();
-    assert_eq!(
-        crds,
-        BTreeSet::from(["clusters.extensions.gardener.cloud".to_owned(), "managedresources.resources.gardener.cloud".to_owned()])
-    );
+    let crds: BTreeSet<String> =
+        docs.iter().filter(|d| d.kind == "CustomResourceDefinition").map(|d| strict::<CustomResourceDefinition>(d).metadata.name.unwrap()).collect();
+    assert_eq!(crds, BTreeSet::from(["clusters.extensions.gardener.cloud".to_owned(), "managedresources.resources.gardener.cloud".to_owned()]));
 }
 
 #[test]

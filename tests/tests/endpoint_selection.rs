@@ -25,20 +25,40 @@ enum Family {
 
 impl Family {
     fn vip(self) -> &'static str {
-        if self == Family::V4 { "198.19.0.40" } else { "fd00:19::40" }
+        if self == Family::V4 {
+            "198.19.0.40"
+        } else {
+            "fd00:19::40"
+        }
     }
     fn node_addr(self) -> &'static str {
-        if self == Family::V4 { NODE_ADDR } else { NODE_ADDR6 }
+        if self == Family::V4 {
+            NODE_ADDR
+        } else {
+            NODE_ADDR6
+        }
     }
     fn backend(self, i: usize) -> String {
-        if self == Family::V4 { backend_ip(i) } else { format!("\"{}\"", backend_ip6(i)) }
+        if self == Family::V4 {
+            backend_ip(i)
+        } else {
+            format!("\"{}\"", backend_ip6(i))
+        }
     }
     /// `ADDR:PORT` as a socket address (IPv6 in brackets).
     fn sock(self, addr: &str, port: u16) -> String {
-        if self == Family::V4 { format!("{addr}:{port}") } else { format!("[{addr}]:{port}") }
+        if self == Family::V4 {
+            format!("{addr}:{port}")
+        } else {
+            format!("[{addr}]:{port}")
+        }
     }
     fn name(self) -> &'static str {
-        if self == Family::V4 { "IPv4" } else { "IPv6" }
+        if self == Family::V4 {
+            "IPv4"
+        } else {
+            "IPv6"
+        }
     }
 }
 
@@ -186,11 +206,7 @@ const CASES: &[Case] = &[
         name: "a ready endpoint without hints: no filtering; unready ones take no part",
         etp_local: false,
         itp_local: false,
-        eps: &[
-            Ep { zones: &["zone-a"], ..ep(0, NODE_NAME) },
-            ep(1, "n2"),
-            Ep { zones: &["zone-b"], cond: "{ready: false, serving: false}", ..ep(2, "n3") },
-        ],
+        eps: &[Ep { zones: &["zone-a"], ..ep(0, NODE_NAME) }, ep(1, "n2"), Ep { zones: &["zone-b"], cond: "{ready: false, serving: false}", ..ep(2, "n3") }],
         checks: &[(Path::SocketClusterIp, Want::Answer(&[0, 1])), (Path::TcClusterIp, Want::Answer(&[0, 1]))],
     },
     Case {
@@ -215,7 +231,11 @@ const CASES: &[Case] = &[
         name: "nothing ready: serving terminating endpoints",
         etp_local: false,
         itp_local: false,
-        eps: &[Ep { cond: TERMINATING, ..ep(0, NODE_NAME) }, Ep { cond: TERMINATING, ..ep(1, "n2") }, Ep { cond: "{ready: false, serving: false}", ..ep(2, "n3") }],
+        eps: &[
+            Ep { cond: TERMINATING, ..ep(0, NODE_NAME) },
+            Ep { cond: TERMINATING, ..ep(1, "n2") },
+            Ep { cond: "{ready: false, serving: false}", ..ep(2, "n3") },
+        ],
         checks: &[(Path::SocketClusterIp, Want::Answer(&[0, 1])), (Path::TcClusterIp, Want::Answer(&[0, 1]))],
     },
     Case {
@@ -257,7 +277,12 @@ const CASES: &[Case] = &[
         name: "externalTrafficPolicy Local with terminating endpoints",
         etp_local: true,
         itp_local: false,
-        eps: &[ep(1, "n2"), Ep { cond: "{ready: false, serving: false}", ..ep(0, NODE_NAME) }, Ep { cond: TERMINATING, ..ep(2, NODE_NAME) }, Ep { cond: TERMINATING, ..ep(3, "n4") }],
+        eps: &[
+            ep(1, "n2"),
+            Ep { cond: "{ready: false, serving: false}", ..ep(0, NODE_NAME) },
+            Ep { cond: TERMINATING, ..ep(2, NODE_NAME) },
+            Ep { cond: TERMINATING, ..ep(3, "n4") },
+        ],
         checks: &[(Path::OutsideNodePort, Want::Answer(&[2])), (Path::SocketClusterIp, Want::Answer(&[1])), (Path::SocketNodePort, Want::Answer(&[1]))],
     },
     Case {
@@ -270,7 +295,11 @@ const CASES: &[Case] = &[
             Ep { zones: &["zone-a"], ..ep(2, "n3") },
             Ep { zones: &["zone-b"], ..ep(3, "n4") },
         ],
-        checks: &[(Path::SocketClusterIp, Want::Answer(&[0, 2])), (Path::OutsideNodePort, Want::Answer(&[0, 1])), (Path::SocketNodePort, Want::Answer(&[0, 2]))],
+        checks: &[
+            (Path::SocketClusterIp, Want::Answer(&[0, 2])),
+            (Path::OutsideNodePort, Want::Answer(&[0, 1])),
+            (Path::SocketNodePort, Want::Answer(&[0, 2])),
+        ],
     },
     Case {
         name: "internal and external Local, all endpoints remote",
@@ -329,7 +358,11 @@ fn assert_lb_list_says_drop_or_reject(agent: &Agent, fam: Family) {
     loop {
         let list = agent.lb_list().unwrap();
         let of = |addr: &str, port: u16, scope: &str| {
-            list.as_array().unwrap().iter().find(|f| f["frontend"]["addr"] == addr && f["frontend"]["port"] == port && f["frontend"]["scope"].as_str().unwrap_or("") == scope).cloned()
+            list.as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["frontend"]["addr"] == addr && f["frontend"]["port"] == port && f["frontend"]["scope"].as_str().unwrap_or("") == scope)
+                .cloned()
         };
         let (cip, np, np_node) = (of(fam.vip(), 80, ""), of(fam.node_addr(), NODE_PORT, ""), of(fam.node_addr(), NODE_PORT, "this-node"));
         if let (Some(cip), Some(np), Some(np_node)) = (&cip, &np, &np_node) {
@@ -380,7 +413,8 @@ fn service_ranges_drop_unallocated_addresses_and_reject_unknown_ports() {
     .expect("agent");
     agent.wait_backends("198.19.0.40:80/tcp", 1).unwrap();
     agent.wait_backends("[fd00:19::40]:80/tcp", 1).unwrap();
-    let connect = |socket: bool, to: &str| lab.client_json(socket, &["connect", "--to", to, "--timeout-ms", "700"]).unwrap()["outcome"].as_str().unwrap().to_owned();
+    let connect =
+        |socket: bool, to: &str| lab.client_json(socket, &["connect", "--to", to, "--timeout-ms", "700"]).unwrap()["outcome"].as_str().unwrap().to_owned();
     let dropped_socket = if refusal_outcome(true) == "PermissionDenied" { "PermissionDenied" } else { "HostUnreachable" };
     let eventually = |what: &str, f: &dyn Fn() -> bool| {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -393,7 +427,9 @@ fn service_ranges_drop_unallocated_addresses_and_reject_unknown_ports() {
         for socket in [true, false] {
             let served = lab.client_json(socket, &["tcp", "--to", &format!("{vip}:80"), "--count", "3"]).unwrap();
             assert_eq!(counts(&served), [("be1".to_string(), 3)], "{vip}:80 socket LB {socket}: {served}");
-            eventually(&format!("{vip}:81 (a port the ClusterIP does not serve) refused, socket LB {socket}"), &|| connect(socket, &format!("{vip}:81")) == refusal_outcome(socket));
+            eventually(&format!("{vip}:81 (a port the ClusterIP does not serve) refused, socket LB {socket}"), &|| {
+                connect(socket, &format!("{vip}:81")) == refusal_outcome(socket)
+            });
             let want = if socket { dropped_socket } else { "TimedOut" };
             eventually(&format!("{other}:80 (unallocated) dropped, socket LB {socket}"), &|| connect(socket, &format!("{other}:80")) == want);
         }

@@ -308,10 +308,7 @@ async fn unusable_provider_config_without_kube_proxy_is_a_configuration_problem(
     for _ in 0..2 {
         let before = writes();
         annotate(&seed, "reconcile").await;
-        eventually_within("a new request answered at once", Duration::from_millis(400), || {
-            std::future::ready((writes() >= before + 2).then_some(()))
-        })
-        .await;
+        eventually_within("a new request answered at once", Duration::from_millis(400), || std::future::ready((writes() >= before + 2).then_some(()))).await;
     }
 }
 
@@ -557,10 +554,8 @@ mod webhook {
         let tcp = tokio::net::TcpStream::connect(hook.addr).await.unwrap();
         let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
         let mut tls = connector.connect(name, tcp).await.ok()?;
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        );
+        let head =
+            format!("POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
         tls.write_all(head.as_bytes()).await.unwrap();
         tls.write_all(body).await.unwrap();
         let mut response = Vec::new();

@@ -60,14 +60,14 @@ fn icmp_fragmentation_needed_reaches_the_backend() {
         agent.wait_backends(&format!("{np}/tcp"), 1).unwrap();
         // 2 MiB down through the NodePort: full-size segments must shrink to fit the router.
         let t0 = Instant::now();
-        let out = client
-            .command(&netkit, None)
-            .unwrap()
-            .args(["bulk", "--to", np, "--bytes", "0", "--download", &(2u64 << 20).to_string()])
-            .output()
-            .unwrap();
+        let out = client.command(&netkit, None).unwrap().args(["bulk", "--to", np, "--bytes", "0", "--download", &(2u64 << 20).to_string()]).output().unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-        assert!(out.status.success() && v["downloaded"] == 2u64 << 20, "{np}: download through the bottleneck failed after {:?}: {v} {}", t0.elapsed(), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success() && v["downloaded"] == 2u64 << 20,
+            "{np}: download through the bottleneck failed after {:?}: {v} {}",
+            t0.elapsed(),
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(t0.elapsed() < Duration::from_secs(25), "{np}: took {:?}", t0.elapsed());
     }
     agent.stop();

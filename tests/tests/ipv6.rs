@@ -4,7 +4,8 @@
 use std::sync::{Mutex, MutexGuard};
 
 use gardenet_tests::lab::{
-    assert_udp_flow_leaves_departed_backend, backend_ip6, counts, node_yaml_dual, service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT, refusal_outcome,
+    assert_udp_flow_leaves_departed_backend, backend_ip6, counts, node_yaml_dual, refusal_outcome, service_yaml_dual, slice_yaml, slice_yaml6, Agent,
+    AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
 };
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -207,10 +208,8 @@ fn client_ip_affinity_v6_on_both_paths() {
     let _g = serial();
     let lab = Lab::new(3).unwrap();
     lab.wait_servers6().unwrap();
-    let svc = service_yaml_dual("web", VIP4, VIP6, PORT, &["TCP"]).replace(
-        "spec:\n",
-        "spec:\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n",
-    );
+    let svc = service_yaml_dual("web", VIP4, VIP6, PORT, &["TCP"])
+        .replace("spec:\n", "spec:\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n");
     let agent = Agent::start(
         &lab,
         AgentOpts { socket_lb: true, tc: true, ..Default::default() },

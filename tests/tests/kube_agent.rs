@@ -32,7 +32,6 @@ fn slice(svc: &str, backends: &[usize]) -> serde_json::Value {
            "addressType": "IPv4", "ports": [{"name": "p-tcp", "port": SERVER_PORT, "protocol": "TCP"}], "endpoints": eps})
 }
 
-
 /// `gardenet-agent run --source kube` against `kubeconfig`, socket LB on the lab's cgroup, no
 /// interface selected; `extra` flags are appended. Returns the process and its log lines.
 fn spawn_agent(lab: &Lab, kubeconfig: &std::path::Path, bpffs: &std::path::Path, dir: &std::path::Path, extra: &[&str]) -> (Proc, mpsc::Receiver<String>) {
@@ -111,9 +110,10 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
     // The clash is reported as an Event on the Service that lost.
     let mut event = None;
     for _ in 0..50 {
-        event = api.requests().into_iter().find(|r| {
-            r.method == "POST" && r.path.contains("events") && r.body.as_ref().is_some_and(|b| b.to_string().contains("zz-clash"))
-        });
+        event = api
+            .requests()
+            .into_iter()
+            .find(|r| r.method == "POST" && r.path.contains("events") && r.body.as_ref().is_some_and(|b| b.to_string().contains("zz-clash")));
         if event.is_some() {
             break;
         }
@@ -127,9 +127,10 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
     // a slice may arrive before its Service).
     let mut event = None;
     for _ in 0..100 {
-        event = api.requests().into_iter().find(|r| {
-            r.method == "POST" && r.path.contains("events") && r.body.as_ref().is_some_and(|b| b["regarding"]["kind"] == "EndpointSlice")
-        });
+        event = api
+            .requests()
+            .into_iter()
+            .find(|r| r.method == "POST" && r.path.contains("events") && r.body.as_ref().is_some_and(|b| b["regarding"]["kind"] == "EndpointSlice"));
         if event.is_some() {
             break;
         }
@@ -156,7 +157,8 @@ async fn agent_reads_its_network_config_from_the_network_object() {
                  "providerConfig": {"apiVersion": "gardenet.networking.extensions.gardener.cloud/v1alpha1", "kind": "NetworkConfig",
                                     "socketLB": {"enabled": false}, "xdp": {"mode": "off"}}}}));
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}n", lab.tag));
-    let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--reset", "--detach-on-exit", "--network", "shoot--lab/net", "--kube-proxy-enabled", "false"]);
+    let (mut agent, rx) =
+        spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--reset", "--detach-on-exit", "--network", "shoot--lab/net", "--kube-proxy-enabled", "false"]);
     let log = wait_for(&rx, "ready:");
     agent.terminate();
     let log = log.join("\n");

@@ -59,10 +59,7 @@ impl Drop for Harness {
 impl Harness {
     /// Starts the source against `server` (already populated as the test wants).
     async fn start(server: ApiServer, test: &str) -> Harness {
-        let dir = std::env::temp_dir().join(format!(
-            "gardenet-kube-source-{}-{test}",
-            std::process::id()
-        ));
+        let dir = std::env::temp_dir().join(format!("gardenet-kube-source-{}-{test}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let kubeconfig = server.kubeconfig(&dir);
         let client = timeout(PATIENCE, kube_source::client_from_env(Some(kubeconfig)))
@@ -71,19 +68,11 @@ impl Harness {
             .expect("client from the double's kubeconfig");
         let (tx, rx) = mpsc::channel(1024);
         let source = tokio::spawn(kube_source::run(client, NODE.into(), tx));
-        Harness {
-            server,
-            rx,
-            source,
-            dir,
-        }
+        Harness { server, rx, source, dir }
     }
 
     async fn next(&mut self) -> String {
-        let event = timeout(PATIENCE, self.rx.recv())
-            .await
-            .expect("timed out waiting for a source event")
-            .expect("the source stopped");
+        let event = timeout(PATIENCE, self.rx.recv()).await.expect("timed out waiting for a source event").expect("the source stopped");
         describe(&event)
     }
 
@@ -105,20 +94,11 @@ impl Harness {
     }
 
     async fn assert_quiet(&mut self, quiet: Duration) {
-        assert_eq!(
-            self.drain(quiet).await,
-            Vec::<String>::new(),
-            "expected no events"
-        );
+        assert_eq!(self.drain(quiet).await, Vec::<String>::new(), "expected no events");
     }
 
     /// Polls the double's request log (from index `since`) until `done` holds.
-    async fn wait_for_requests(
-        &self,
-        since: usize,
-        what: &str,
-        done: impl Fn(&[RecordedRequest]) -> bool,
-    ) {
+    async fn wait_for_requests(&self, since: usize, what: &str, done: impl Fn(&[RecordedRequest]) -> bool) {
         let start = Instant::now();
         while !done(&self.server.requests()[since..]) {
             assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
@@ -152,14 +132,8 @@ fn snapshots(events: &[String]) -> Vec<&[String]> {
     let mut rest = events;
     while !rest.is_empty() {
         assert_eq!(rest[0], "resync", "events outside a snapshot: {events:?}");
-        let end = rest
-            .iter()
-            .position(|e| e == "synced")
-            .unwrap_or_else(|| panic!("unfinished: {events:?}"));
-        assert!(
-            !rest[1..end].contains(&"resync".to_string()),
-            "nested resync: {events:?}"
-        );
+        let end = rest.iter().position(|e| e == "synced").unwrap_or_else(|| panic!("unfinished: {events:?}"));
+        assert!(!rest[1..end].contains(&"resync".to_string()), "nested resync: {events:?}");
         windows.push(&rest[..=end]);
         rest = &rest[end + 1..];
     }
@@ -167,9 +141,7 @@ fn snapshots(events: &[String]) -> Vec<&[String]> {
 }
 
 fn query(request: &RecordedRequest, key: &str) -> Option<String> {
-    form_urlencoded::parse(request.query.as_bytes())
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v.into_owned())
+    form_urlencoded::parse(request.query.as_bytes()).find(|(k, _)| k == key).map(|(_, v)| v.into_owned())
 }
 
 fn is_watch(request: &RecordedRequest) -> bool {
@@ -195,39 +167,18 @@ async fn initial_list_is_one_snapshot() {
     server.apply(node("node-b"));
     let mut h = Harness::start(server, "initial").await;
 
-    assert_eq!(
-        h.take(7).await,
-        [
-            "resync",
-            "+svc default/a",
-            "+svc default/b",
-            "+svc kube-system/dns",
-            "+slice default/a-1",
-            "+node node-a",
-            "synced",
-        ]
-    );
+    assert_eq!(h.take(7).await, ["resync", "+svc default/a", "+svc default/b", "+svc kube-system/dns", "+slice default/a-1", "+node node-a", "synced",]);
     h.assert_quiet(Duration::from_millis(300)).await;
 
     // Only this agent's Node is asked for, and every resource across all namespaces.
     let requests = h.server.requests();
-    let node_lists: Vec<_> = requests
-        .iter()
-        .filter(|r| r.path == "/api/v1/nodes")
-        .collect();
+    let node_lists: Vec<_> = requests.iter().filter(|r| r.path == "/api/v1/nodes").collect();
     assert!(!node_lists.is_empty());
     for r in node_lists {
-        assert_eq!(
-            query(r, "fieldSelector").as_deref(),
-            Some("metadata.name=node-a"),
-            "{r:?}"
-        );
+        assert_eq!(query(r, "fieldSelector").as_deref(), Some("metadata.name=node-a"), "{r:?}");
     }
     for path in COLLECTIONS {
-        assert!(
-            requests.iter().any(|r| r.path == path && is_watch(r)),
-            "no watch on {path}"
-        );
+        assert!(requests.iter().any(|r| r.path == path && is_watch(r)), "no watch on {path}");
     }
 }
 
@@ -262,12 +213,7 @@ async fn large_lists_are_paged_into_one_snapshot() {
     assert_eq!(events[1], "+slice default/s-0000");
     assert_eq!(events[N], format!("+slice default/s-{:04}", N - 1));
     assert_eq!(events[N + 1..], ["+node node-a", "synced"]);
-    let pages: Vec<_> = h
-        .server
-        .requests()
-        .into_iter()
-        .filter(|r| r.path == "/apis/discovery.k8s.io/v1/endpointslices" && !is_watch(r))
-        .collect();
+    let pages: Vec<_> = h.server.requests().into_iter().filter(|r| r.path == "/apis/discovery.k8s.io/v1/endpointslices" && !is_watch(r)).collect();
     assert_eq!(pages.len(), 3, "1,200 slices in pages of 500: {pages:?}");
     assert!(pages.iter().all(|r| query(r, "limit").as_deref() == Some("500")), "{pages:?}");
     assert!(pages[1..].iter().all(|r| query(r, "continue").is_some()), "{pages:?}");
@@ -279,34 +225,21 @@ async fn watch_changes_are_forwarded() {
     server.apply(service("default", "a", 80));
     server.apply(node(NODE));
     let mut h = Harness::start(server, "watch").await;
-    assert_eq!(
-        h.take(4).await,
-        ["resync", "+svc default/a", "+node node-a", "synced"]
-    );
+    assert_eq!(h.take(4).await, ["resync", "+svc default/a", "+node node-a", "synced"]);
 
     h.server.apply(service("default", "b", 80));
     assert_eq!(h.next().await, "+svc default/b");
 
     h.server.apply(service("default", "a", 81));
     let event = timeout(PATIENCE, h.rx.recv()).await.unwrap().unwrap();
-    let SourceEvent::ServiceApplied(svc) = event else {
-        panic!("expected a Service, got {event:?}")
-    };
-    assert_eq!(
-        svc.ports[0].port,
-        81,
-        "the modified Service is forwarded"
-    );
+    let SourceEvent::ServiceApplied(svc) = event else { panic!("expected a Service, got {event:?}") };
+    assert_eq!(svc.ports[0].port, 81, "the modified Service is forwarded");
 
     h.server.apply(slice("b-1", "b", "10.1.0.2"));
     assert_eq!(h.next().await, "+slice default/b-1");
-    h.server
-        .delete("EndpointSlice", Some("default"), "b-1")
-        .expect("slice existed");
+    h.server.delete("EndpointSlice", Some("default"), "b-1").expect("slice existed");
     assert_eq!(h.next().await, "-slice default/b-1");
-    h.server
-        .delete("Service", Some("default"), "b")
-        .expect("service existed");
+    h.server.delete("Service", Some("default"), "b").expect("service existed");
     assert_eq!(h.next().await, "-svc default/b");
 
     // Other nodes are not this agent's business; its own node's changes are.
@@ -324,16 +257,10 @@ async fn bookmark_is_silent_and_advances_the_watch() {
     server.apply(service("default", "a", 80));
     server.apply(node(NODE));
     let mut h = Harness::start(server, "bookmark").await;
-    assert_eq!(
-        h.take(4).await,
-        ["resync", "+svc default/a", "+node node-a", "synced"]
-    );
+    assert_eq!(h.take(4).await, ["resync", "+svc default/a", "+node node-a", "synced"]);
 
     // Bookmarks only reach established watches (they are not replayed).
-    h.wait_for_requests(0, "the three watches", |rs| {
-        rs.iter().filter(|r| is_watch(r)).count() >= 3
-    })
-    .await;
+    h.wait_for_requests(0, "the three watches", |rs| rs.iter().filter(|r| is_watch(r)).count() >= 3).await;
     // A change no watch of the source sees moves the resourceVersion on; the bookmark carries it.
     h.server.apply(node("node-b"));
     let bookmarked = h.server.resource_version();
@@ -343,18 +270,11 @@ async fn bookmark_is_silent_and_advances_the_watch() {
     // When the watches end, they resume from the bookmark, without a relist.
     let since = h.server.request_count();
     h.server.close_watches();
-    h.wait_for_requests(since, "three re-watches", |rs| {
-        rs.iter().filter(|r| is_watch(r)).count() >= 3
-    })
-    .await;
+    h.wait_for_requests(since, "three re-watches", |rs| rs.iter().filter(|r| is_watch(r)).count() >= 3).await;
     let rewatches = h.server.requests()[since..].to_vec();
     for r in &rewatches {
         assert!(is_watch(r), "expected only watches, not a relist: {r:?}");
-        assert_eq!(
-            query(r, "resourceVersion"),
-            Some(bookmarked.to_string()),
-            "{r:?}"
-        );
+        assert_eq!(query(r, "resourceVersion"), Some(bookmarked.to_string()), "{r:?}");
     }
     h.server.apply(service("default", "c", 80));
     assert_eq!(h.next().await, "+svc default/c");
@@ -369,46 +289,22 @@ async fn compaction_relists_and_drops_what_vanished() {
     server.apply(slice("a-1", "a", "10.1.0.1"));
     server.apply(node(NODE));
     let mut h = Harness::start(server, "compaction").await;
-    assert_eq!(
-        h.take(6).await,
-        [
-            "resync",
-            "+svc default/a",
-            "+svc default/b",
-            "+slice default/a-1",
-            "+node node-a",
-            "synced",
-        ]
-    );
+    assert_eq!(h.take(6).await, ["resync", "+svc default/a", "+svc default/b", "+slice default/a-1", "+node node-a", "synced",]);
 
     // The watches drop; while they are away `b` goes, `c` comes, and the history is compacted,
     // so resuming gets 410 Expired and each resource must be relisted.
     h.server.set_unavailable(true);
-    h.server
-        .delete("Service", Some("default"), "b")
-        .expect("b existed");
+    h.server.delete("Service", Some("default"), "b").expect("b existed");
     h.server.apply(service("default", "c", 80));
     h.server.compact();
     let since = h.server.request_count();
     h.server.set_unavailable(false);
 
-    h.wait_for_requests(since, "a relist of every resource", |rs| {
-        COLLECTIONS
-            .iter()
-            .all(|path| rs.iter().any(|r| r.path == *path && !is_watch(r)))
-    })
-    .await;
+    h.wait_for_requests(since, "a relist of every resource", |rs| COLLECTIONS.iter().all(|path| rs.iter().any(|r| r.path == *path && !is_watch(r)))).await;
     // The four relists may or may not overlap (their backoff has jitter), so there are one to
     // four snapshots, each complete as far as the source knew at the time (one sent before the
     // Services were relisted still has `b`). The last one is the current state.
-    let current = [
-        "resync",
-        "+svc default/a",
-        "+svc default/c",
-        "+slice default/a-1",
-        "+node node-a",
-        "synced",
-    ];
+    let current = ["resync", "+svc default/a", "+svc default/c", "+slice default/a-1", "+node node-a", "synced"];
     let mut events = Vec::new();
     while !events.ends_with(&current.map(String::from)) {
         events.push(h.next().await);
@@ -418,10 +314,7 @@ async fn compaction_relists_and_drops_what_vanished() {
     assert!((1..=4).contains(&windows.len()), "{events:?}");
     assert_eq!(windows.last().unwrap(), &current, "{events:?}");
     // Every watch that resumed from before the compaction was told 410.
-    let expired = h.server.requests()[since..]
-        .iter()
-        .filter(|r| is_watch(r))
-        .count();
+    let expired = h.server.requests()[since..].iter().filter(|r| is_watch(r)).count();
     assert!(expired >= 3, "expected the resumed watches, got {expired}");
 }
 
@@ -431,10 +324,7 @@ async fn outage_backs_off_and_recovers() {
     server.apply(service("default", "a", 80));
     server.apply(node(NODE));
     let mut h = Harness::start(server, "outage").await;
-    assert_eq!(
-        h.take(4).await,
-        ["resync", "+svc default/a", "+node node-a", "synced"]
-    );
+    assert_eq!(h.take(4).await, ["resync", "+svc default/a", "+node node-a", "synced"]);
 
     let connections = h.server.connection_count();
     h.server.set_unavailable(true);
@@ -443,10 +333,7 @@ async fn outage_backs_off_and_recovers() {
     let attempts = h.server.connection_count() - connections;
     // Three watchers with exponential backoff (0.8 s, 1.6 s, ... plus jitter) try a couple of
     // times each in 3 s; a busy loop would make thousands of attempts.
-    assert!(
-        (3..=15).contains(&attempts),
-        "{attempts} connection attempts during a 3 s outage"
-    );
+    assert!((3..=15).contains(&attempts), "{attempts} connection attempts during a 3 s outage");
 
     // Back up: the watches resume where they were (no relist) and catch up on what they missed.
     h.server.set_unavailable(false);

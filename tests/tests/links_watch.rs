@@ -17,27 +17,15 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gardenet_agent::gardener::config::Pattern;
-use gardenet_agent::links::{
-    self, Attacher, LinkEvent, LinkInfo, LinkManager, LinkWatcher, Selector, WatchOptions,
-};
+use gardenet_agent::links::{self, Attacher, LinkEvent, LinkInfo, LinkManager, LinkWatcher, Selector, WatchOptions};
 
 /// The bound from the issue: a new matching interface is attached within one second.
 const ATTACH_WITHIN: Duration = Duration::from_secs(1);
 
 /// Runs `ip -n <ns> args...`, failing the test with ip's stderr when it fails.
 fn ip(ns: &str, args: &[&str]) {
-    let out = Command::new("ip")
-        .arg("-n")
-        .arg(ns)
-        .args(args)
-        .output()
-        .expect("running ip");
-    assert!(
-        out.status.success(),
-        "ip -n {ns} {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
+    let out = Command::new("ip").arg("-n").arg(ns).args(args).output().expect("running ip");
+    assert!(out.status.success(), "ip -n {ns} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
 }
 
 /// Owns the test namespace; deletes it on drop (including during a panic).
@@ -52,15 +40,8 @@ impl Netns {
         if Path::new("/run/netns").join(&name).exists() {
             let _ = Command::new("ip").args(["netns", "del", &name]).status();
         }
-        let out = Command::new("ip")
-            .args(["netns", "add", &name])
-            .output()
-            .expect("running ip netns add");
-        assert!(
-            out.status.success(),
-            "ip netns add {name}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        let out = Command::new("ip").args(["netns", "add", &name]).output().expect("running ip netns add");
+        assert!(out.status.success(), "ip netns add {name}: {}", String::from_utf8_lossy(&out.stderr).trim());
         Self { name }
     }
 
@@ -71,9 +52,7 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
     }
 }
 
@@ -99,25 +78,11 @@ fn private_sysfs(dir: &Path) -> Option<PathBuf> {
             return None;
         }
         let root = c("/");
-        if libc::mount(
-            std::ptr::null(),
-            root.as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        ) != 0
-        {
+        if libc::mount(std::ptr::null(), root.as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0 {
             return None;
         }
         let sysfs = c("sysfs");
-        if libc::mount(
-            sysfs.as_ptr(),
-            target.as_ptr(),
-            sysfs.as_ptr(),
-            0,
-            std::ptr::null(),
-        ) != 0
-        {
+        if libc::mount(sysfs.as_ptr(), target.as_ptr(), sysfs.as_ptr(), 0, std::ptr::null()) != 0 {
             return None;
         }
     }
@@ -156,20 +121,11 @@ fn calls(m: &mut LinkManager<Recorder>) -> Vec<Call> {
 }
 
 fn find<'a>(links: &'a [LinkInfo], name: &str) -> &'a LinkInfo {
-    links
-        .iter()
-        .find(|l| l.name == name)
-        .unwrap_or_else(|| panic!("{name} not in the dump: {links:#?}"))
+    links.iter().find(|l| l.name == name).unwrap_or_else(|| panic!("{name} not in the dump: {links:#?}"))
 }
 
 /// Feeds events to the manager until one matches `pred`; fails after `within`.
-async fn wait_for(
-    w: &mut LinkWatcher,
-    m: &mut LinkManager<Recorder>,
-    within: Duration,
-    what: &str,
-    pred: impl Fn(&LinkEvent) -> bool,
-) -> LinkEvent {
+async fn wait_for(w: &mut LinkWatcher, m: &mut LinkManager<Recorder>, within: Duration, what: &str, pred: impl Fn(&LinkEvent) -> bool) -> LinkEvent {
     let deadline = Instant::now() + within;
     let mut seen = Vec::new();
     loop {
@@ -191,16 +147,10 @@ async fn wait_for(
 async fn scenario(ns: String, sysfs: Option<PathBuf>) {
     if let Some(net) = &sysfs {
         // The private sysfs shows this namespace (the host has no p-eth1).
-        assert!(
-            net.join("p-eth1").exists(),
-            "{} is not the test netns' sysfs",
-            net.display()
-        );
+        assert!(net.join("p-eth1").exists(), "{} is not the test netns' sysfs", net.display());
     }
     let probing = sysfs.is_some();
-    let (initial, mut watcher) = links::watch(WatchOptions { sysfs })
-        .await
-        .expect("watching links");
+    let (initial, mut watcher) = links::watch(WatchOptions { sysfs }).await.expect("watching links");
 
     // --- the dump ---
     let lo = find(&initial, "lo");
@@ -230,101 +180,49 @@ async fn scenario(ns: String, sysfs: Option<PathBuf>) {
     assert_eq!(reason("lo"), (false, "loopback".into()));
     let data = gardenet_agent::gardener::config::DEFAULT_DATA_INTERFACES;
     assert_eq!(reason("eth1"), (true, format!("included by pattern {data}")));
-    assert_eq!(
-        reason("ens5"),
-        (
-            true,
-            format!("included by pattern {data}; down, attached anyway (programs run once it is up)")
-        )
-    );
-    assert_eq!(
-        reason("enP30832s1"),
-        (false, "excluded by pattern ^enP".into())
-    );
+    assert_eq!(reason("ens5"), (true, format!("included by pattern {data}; down, attached anyway (programs run once it is up)")));
+    assert_eq!(reason("enP30832s1"), (false, "excluded by pattern ^enP".into()));
     assert_eq!(reason("enP1s2"), (false, "excluded by pattern ^enP".into()));
     for name in ["docker0", "vethabc", "br-acc", "p-eth1"] {
-        assert_eq!(
-            reason(name),
-            (false, "not matched by any include pattern".into()),
-            "{name}"
-        );
+        assert_eq!(reason(name), (false, "not matched by any include pattern".into()), "{name}");
     }
     // Without the name rule, the master still keeps programs off the port.
     let match_all = Selector::new(vec![Pattern::new(".*").unwrap()], vec![], vec![]);
     assert_eq!(match_all.decide(&enp1).reason, "enslaved to br-acc");
     assert!(!match_all.decide(&enp1).attach);
-    let forced = Selector::new(
-        sel.include().to_vec(),
-        sel.exclude().to_vec(),
-        vec!["enP1s2".into()],
-    );
+    let forced = Selector::new(sel.include().to_vec(), sel.exclude().to_vec(), vec!["enP1s2".into()]);
     let d = forced.decide(&enp1);
     assert!(d.attach);
-    assert_eq!(
-        d.reason,
-        "forced (otherwise: excluded by pattern ^enP); down, attached anyway (programs run once it is up)"
-    );
+    assert_eq!(d.reason, "forced (otherwise: excluded by pattern ^enP); down, attached anyway (programs run once it is up)");
 
     // --- the manager on the dump ---
     let mut m = LinkManager::new(sel, Recorder::default());
     m.sync(initial.clone(), Instant::now());
     // The manager works in ifindex order.
     let ens5 = find(&initial, "ens5").index;
-    let mut want = vec![
-        Call::Attach(ens5, "ens5".into()),
-        Call::Attach(eth1.index, "eth1".into()),
-    ];
+    let mut want = vec![Call::Attach(ens5, "ens5".into()), Call::Attach(eth1.index, "eth1".into())];
     want.sort_by_key(|c| match c {
         Call::Attach(i, _) | Call::Detach(i, _) | Call::Forget(i, _) => *i,
     });
     assert_eq!(calls(&mut m), want);
 
     // --- a new interface is attached within a second ---
-    ip(
-        &ns,
-        &[
-            "link", "add", "eth2", "type", "veth", "peer", "name", "p-eth2",
-        ],
-    );
+    ip(&ns, &["link", "add", "eth2", "type", "veth", "peer", "name", "p-eth2"]);
     let t0 = Instant::now();
-    let ev = wait_for(
-        &mut watcher,
-        &mut m,
-        ATTACH_WITHIN,
-        "Added(eth2)",
-        |e| matches!(e, LinkEvent::Added(l) if l.name == "eth2"),
-    )
-    .await;
+    let ev = wait_for(&mut watcher, &mut m, ATTACH_WITHIN, "Added(eth2)", |e| matches!(e, LinkEvent::Added(l) if l.name == "eth2")).await;
     let eth2 = ev.index();
-    assert!(
-        calls(&mut m).contains(&Call::Attach(eth2, "eth2".into())),
-        "eth2 not attached"
-    );
+    assert!(calls(&mut m).contains(&Call::Attach(eth2, "eth2".into())), "eth2 not attached");
     assert!(t0.elapsed() < ATTACH_WITHIN, "took {:?}", t0.elapsed());
 
     // --- renames are re-evaluated (renaming needs the link down; new veths are) ---
     ip(&ns, &["link", "set", "eth2", "name", "enP9s9"]);
-    let ev = wait_for(
-        &mut watcher,
-        &mut m,
-        ATTACH_WITHIN,
-        "Changed(enP9s9)",
-        |e| matches!(e, LinkEvent::Changed(l) if l.name == "enP9s9"),
-    )
-    .await;
+    let ev = wait_for(&mut watcher, &mut m, ATTACH_WITHIN, "Changed(enP9s9)", |e| matches!(e, LinkEvent::Changed(l) if l.name == "enP9s9")).await;
     assert_eq!(ev.index(), eth2, "a rename keeps the index");
     assert_eq!(calls(&mut m), vec![Call::Detach(eth2, "enP9s9".into())]);
 
     let vethabc = find(&initial, "vethabc").index;
     ip(&ns, &["link", "set", "vethabc", "name", "eth7"]);
-    wait_for(
-        &mut watcher,
-        &mut m,
-        ATTACH_WITHIN,
-        "Changed(eth7)",
-        |e| matches!(e, LinkEvent::Changed(l) if l.name == "eth7" && l.index == vethabc),
-    )
-    .await;
+    wait_for(&mut watcher, &mut m, ATTACH_WITHIN, "Changed(eth7)", |e| matches!(e, LinkEvent::Changed(l) if l.name == "eth7" && l.index == vethabc)).await;
     assert_eq!(calls(&mut m), vec![Call::Attach(vethabc, "eth7".into())]);
 
     // --- newly enslaved: detached, and the reason names the master ---
@@ -338,26 +236,15 @@ async fn scenario(ns: String, sysfs: Option<PathBuf>) {
     )
     .await;
     assert_eq!(calls(&mut m), vec![Call::Detach(eth1.index, "eth1".into())]);
-    let status = |m: &LinkManager<Recorder>, index: u32| {
-        m.snapshot()
-            .into_iter()
-            .find(|s| s.index == index)
-            .expect("link in snapshot")
-    };
+    let status = |m: &LinkManager<Recorder>, index: u32| m.snapshot().into_iter().find(|s| s.index == index).expect("link in snapshot");
     assert_eq!(status(&m, eth1.index).reason, "enslaved to br-acc");
 
     // --- renaming the master re-reports its ports with the new name ---
     ip(&ns, &["link", "set", "br-acc", "name", "br-x"]);
-    wait_for(
-        &mut watcher,
-        &mut m,
-        ATTACH_WITHIN,
-        "Changed(eth1 under br-x)",
-        |e| {
-            matches!(e, LinkEvent::Changed(l)
+    wait_for(&mut watcher, &mut m, ATTACH_WITHIN, "Changed(eth1 under br-x)", |e| {
+        matches!(e, LinkEvent::Changed(l)
             if l.index == eth1.index && l.master.as_ref().is_some_and(|(_, n)| n == "br-x"))
-        },
-    )
+    })
     .await;
     assert_eq!(status(&m, eth1.index).reason, "enslaved to br-x");
 
@@ -375,47 +262,21 @@ async fn scenario(ns: String, sysfs: Option<PathBuf>) {
 
     // --- removal: forgotten, never detached (the kernel dropped the programs) ---
     ip(&ns, &["link", "del", "eth7"]);
-    let ev = wait_for(
-        &mut watcher,
-        &mut m,
-        ATTACH_WITHIN,
-        "Removed(eth7)",
-        |e| matches!(e, LinkEvent::Removed { name, .. } if name == "eth7"),
-    )
-    .await;
-    assert_eq!(
-        ev,
-        LinkEvent::Removed {
-            index: vethabc,
-            name: "eth7".into()
-        }
-    );
+    let ev = wait_for(&mut watcher, &mut m, ATTACH_WITHIN, "Removed(eth7)", |e| matches!(e, LinkEvent::Removed { name, .. } if name == "eth7")).await;
+    assert_eq!(ev, LinkEvent::Removed { index: vethabc, name: "eth7".into() });
     assert_eq!(calls(&mut m), vec![Call::Forget(vethabc, "eth7".into())]);
     // The peer goes too; let its event arrive and make sure nothing was attempted for it.
-    wait_for(
-        &mut watcher,
-        &mut m,
-        ATTACH_WITHIN,
-        "Removed(p-vethabc)",
-        |e| matches!(e, LinkEvent::Removed { name, .. } if name == "p-vethabc"),
-    )
-    .await;
+    wait_for(&mut watcher, &mut m, ATTACH_WITHIN, "Removed(p-vethabc)", |e| matches!(e, LinkEvent::Removed { name, .. } if name == "p-vethabc")).await;
     assert!(calls(&mut m).is_empty());
 
     let snap = m.snapshot();
     assert!(snap.iter().all(|s| s.index != vethabc));
     assert!(snap.iter().all(|s| s.error.is_none()), "{snap:#?}");
-    let attached: Vec<&str> = snap
-        .iter()
-        .filter(|s| !s.hooks.is_empty())
-        .map(|s| s.name.as_str())
-        .collect();
+    let attached: Vec<&str> = snap.iter().filter(|s| !s.hooks.is_empty()).map(|s| s.name.as_str()).collect();
     assert_eq!(attached, ["eth1", "ens5"]);
 
     // The one-shot dump (for `gardenet-agent links`) agrees with the watcher.
-    let explained = links::explain(m.selector(), &WatchOptions { sysfs: None })
-        .await
-        .expect("explain");
+    let explained = links::explain(m.selector(), &WatchOptions { sysfs: None }).await.expect("explain");
     let e = explained.iter().find(|s| s.name == "enP9s9").unwrap();
     assert_eq!(e.reason, "excluded by pattern ^enP");
 }
@@ -426,17 +287,8 @@ fn links_watch_in_a_namespace() {
     gardenet_tests::netns::require_root();
     let ns = Netns::create(format!("gnl-{}", std::process::id()));
     let n = ns.name.as_str();
-    for (dev, peer) in [
-        ("eth1", "p-eth1"),
-        ("ens5", "p-ens5"),
-        ("enP30832s1", "p-enP3"),
-        ("enP1s2", "p-enP1"),
-        ("vethabc", "p-vethabc"),
-    ] {
-        ip(
-            n,
-            &["link", "add", dev, "type", "veth", "peer", "name", peer],
-        );
+    for (dev, peer) in [("eth1", "p-eth1"), ("ens5", "p-ens5"), ("enP30832s1", "p-enP3"), ("enP1s2", "p-enP1"), ("vethabc", "p-vethabc")] {
+        ip(n, &["link", "add", dev, "type", "veth", "peer", "name", peer]);
     }
     ip(n, &["link", "add", "br-acc", "type", "bridge"]);
     ip(n, &["link", "set", "enP1s2", "master", "br-acc"]);
@@ -452,16 +304,9 @@ fn links_watch_in_a_namespace() {
         enter_netns(&path);
         let sysfs = private_sysfs(&dir);
         if sysfs.is_none() {
-            eprintln!(
-                "no private sysfs ({}); VF/driver probe disabled",
-                std::io::Error::last_os_error()
-            );
+            eprintln!("no private sysfs ({}); VF/driver probe disabled", std::io::Error::last_os_error());
         }
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-            .block_on(scenario(name, sysfs));
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime").block_on(scenario(name, sysfs));
     });
     let res = worker.join();
     // The thread's mount namespace, and with it the sysfs mount, ended with the thread.

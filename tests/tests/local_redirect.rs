@@ -66,7 +66,8 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
     wait_programmed(&agent, to_cache, "cache up");
 
     // UDP and TCP from a pod (socket LB), and UDP on the TC path, all reach the cache.
-    let query = |socket_lb: bool, proto: &str| lab.client_json(socket_lb, &[proto, "--to", &format!("{DNS_VIP}:53"), "--count", "10", "--timeout-ms", "1000"]).unwrap();
+    let query =
+        |socket_lb: bool, proto: &str| lab.client_json(socket_lb, &[proto, "--to", &format!("{DNS_VIP}:53"), "--count", "10", "--timeout-ms", "1000"]).unwrap();
     for (socket_lb, proto) in [(true, "udp"), (true, "tcp"), (false, "udp")] {
         let v = query(socket_lb, proto);
         assert_eq!(counts(&v), [("cache".to_string(), 10)], "socket LB {socket_lb}, {proto}: {v}");
@@ -76,7 +77,10 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
     // pod keeps resolving: every 10 ms a query from a fresh socket, as resolvers send them.
     let client = {
         let mut cmd = lab
-            .client_cmd(true, &["udp", "--to", &format!("{DNS_VIP}:53"), "--count", "400", "--fresh-socket", "--timeout-ms", "150", "--interval-ms", "10", "--trace"])
+            .client_cmd(
+                true,
+                &["udp", "--to", &format!("{DNS_VIP}:53"), "--count", "400", "--fresh-socket", "--timeout-ms", "150", "--interval-ms", "10", "--trace"],
+            )
             .unwrap();
         cmd.stdout(std::process::Stdio::piped());
         cmd.spawn().unwrap()
@@ -91,7 +95,8 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
     wait_programmed(&agent, to_cache, "cache back");
     let out = client.wait_with_output().unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let trace: Vec<(u128, String)> = v["trace"].as_array().unwrap().iter().map(|e| (e[0].as_u64().unwrap() as u128, e[1].as_str().unwrap().to_owned())).collect();
+    let trace: Vec<(u128, String)> =
+        v["trace"].as_array().unwrap().iter().map(|e| (e[0].as_u64().unwrap() as u128, e[1].as_str().unwrap().to_owned())).collect();
 
     let first = |after: u128, pred: &dyn Fn(&str) -> bool| trace.iter().find(|(t, a)| *t >= after && pred(a)).map(|(t, _)| t - after);
     let to_endpoints = first(stopped, &|a| a.starts_with("be")).expect("queries reached the Service's endpoints after the cache stopped");

@@ -13,8 +13,8 @@ use gardenet_agent::{
     gardener::{aggregate::NODE_CONDITION_AGENT_READY, network::Network, PROVIDER_API_VERSION},
     health::AgentState,
     status::{
-        network::Outcome, node::Report, shutdown_channel, Elector, Leadership, LeaseTiming,
-        NetworkRef, NetworkReporter, NetworkReporterConfig, NodeReporter, NodeReporterConfig,
+        network::Outcome, node::Report, shutdown_channel, Elector, Leadership, LeaseTiming, NetworkRef, NetworkReporter, NetworkReporterConfig, NodeReporter,
+        NodeReporterConfig,
     },
 };
 use gardenet_tests::apiserver::ApiServer;
@@ -26,13 +26,10 @@ use tokio::time::timeout;
 const PATIENCE: Duration = Duration::from_secs(10);
 const NETWORK_NS: &str = "shoot--core--test";
 const NETWORK_NAME: &str = "test";
-const NETWORK_STATUS_PATH: &str =
-    "/apis/extensions.gardener.cloud/v1alpha1/namespaces/shoot--core--test/networks/test/status";
+const NETWORK_STATUS_PATH: &str = "/apis/extensions.gardener.cloud/v1alpha1/namespaces/shoot--core--test/networks/test/status";
 
 async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
-    timeout(PATIENCE, f)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: timed out"))
+    timeout(PATIENCE, f).await.unwrap_or_else(|_| panic!("{what}: timed out"))
 }
 
 fn client(server: &ApiServer) -> Client {
@@ -71,45 +68,22 @@ fn ready_state() -> Arc<AgentState> {
 
 /// Writes `node`'s condition from `state` once, as its agent would.
 async fn report_node(server: &ApiServer, node: &str, state: Arc<AgentState>) {
-    let reporter = NodeReporter::new(client(server), node, state, NodeReporterConfig::default())
-        .expect("reporter");
-    let report = within("node report", reporter.report(true, false))
-        .await
-        .expect("node report");
+    let reporter = NodeReporter::new(client(server), node, state, NodeReporterConfig::default()).expect("reporter");
+    let report = within("node report", reporter.report(true, false)).await.expect("node report");
     assert_eq!(report, Report::Written);
 }
 
 /// Leadership won for real through the Lease in `server`.
 async fn lead(server: &ApiServer) -> Leadership {
-    let mut elector =
-        Elector::gardenet(client(server), "agent-a", LeaseTiming::default()).expect("elector");
-    assert!(within("election", elector.try_acquire_or_renew())
-        .await
-        .expect("election"));
+    let mut elector = Elector::gardenet(client(server), "agent-a", LeaseTiming::default()).expect("elector");
+    assert!(within("election", elector.try_acquire_or_renew()).await.expect("election"));
     elector.leadership()
 }
 
-fn reporter(
-    nodes: &ApiServer,
-    networks: &ApiServer,
-    leadership: Leadership,
-    kube_proxy_enabled: bool,
-) -> NetworkReporter {
-    let config = NetworkReporterConfig {
-        kube_proxy_enabled,
-        ..Default::default()
-    };
-    let network = NetworkRef {
-        namespace: NETWORK_NS.into(),
-        name: NETWORK_NAME.into(),
-    };
-    NetworkReporter::new(
-        client(nodes),
-        client(networks),
-        &network,
-        leadership,
-        config,
-    )
+fn reporter(nodes: &ApiServer, networks: &ApiServer, leadership: Leadership, kube_proxy_enabled: bool) -> NetworkReporter {
+    let config = NetworkReporterConfig { kube_proxy_enabled, ..Default::default() };
+    let network = NetworkRef { namespace: NETWORK_NS.into(), name: NETWORK_NAME.into() };
+    NetworkReporter::new(client(nodes), client(networks), &network, leadership, config)
 }
 
 /// Replaces every timestamp with `"T"` (after checking it is one), so statuses compare exactly.
@@ -120,10 +94,7 @@ fn without_times(mut v: Value) -> Value {
                 for (k, v) in map.iter_mut() {
                     if k.ends_with("Time") && v.is_string() {
                         let t = v.as_str().unwrap_or_default();
-                        assert!(
-                            t.parse::<k8s_openapi::jiff::Timestamp>().is_ok(),
-                            "{k}: {t:?} is not a time"
-                        );
+                        assert!(t.parse::<k8s_openapi::jiff::Timestamp>().is_ok(), "{k}: {t:?} is not a time");
                         *v = "T".into();
                     } else {
                         walk(v);
@@ -139,18 +110,11 @@ fn without_times(mut v: Value) -> Value {
 }
 
 fn stored_network_status(server: &ApiServer) -> Value {
-    server
-        .get("Network", Some(NETWORK_NS), NETWORK_NAME)
-        .expect("network")["status"]
-        .clone()
+    server.get("Network", Some(NETWORK_NS), NETWORK_NAME).expect("network")["status"].clone()
 }
 
 fn patches_to(server: &ApiServer, path: &str) -> Vec<gardenet_tests::apiserver::RecordedRequest> {
-    server
-        .requests()
-        .into_iter()
-        .filter(|r| r.method == "PATCH" && r.path == path)
-        .collect()
+    server.requests().into_iter().filter(|r| r.method == "PATCH" && r.path == path).collect()
 }
 
 #[tokio::test]
@@ -164,10 +128,7 @@ async fn all_ready_with_the_network_in_another_cluster() {
     report_node(&shoot, "n2", ready_state()).await;
 
     let reporter = reporter(&shoot, &seed, lead(&shoot).await, false);
-    assert_eq!(
-        within("reconcile", reporter.reconcile()).await.unwrap(),
-        Outcome::Written
-    );
+    assert_eq!(within("reconcile", reporter.reconcile()).await.unwrap(), Outcome::Written);
     let message = "gardenet agents ready on all 2 schedulable nodes";
     assert_eq!(
         without_times(stored_network_status(&seed)),
@@ -190,23 +151,15 @@ async fn all_ready_with_the_network_in_another_cluster() {
     );
     let patches = patches_to(&seed, NETWORK_STATUS_PATH);
     assert_eq!(patches.len(), 1);
-    assert_eq!(
-        patches[0].content_type.as_deref(),
-        Some("application/merge-patch+json")
-    );
+    assert_eq!(patches[0].content_type.as_deref(), Some("application/merge-patch+json"));
     // The precondition: the resourceVersion the status was computed from.
     assert!(patches[0].body.as_ref().unwrap()["metadata"]["resourceVersion"].is_string());
 
     // Nothing changed: nothing is written.
-    assert_eq!(
-        within("reconcile", reporter.reconcile()).await.unwrap(),
-        Outcome::Unchanged
-    );
+    assert_eq!(within("reconcile", reporter.reconcile()).await.unwrap(), Outcome::Unchanged);
     assert_eq!(patches_to(&seed, NETWORK_STATUS_PATH).len(), 1);
     // The Lease lives in the shoot, next to the Nodes.
-    assert!(shoot
-        .get("Lease", Some("kube-system"), "gardenet-agent")
-        .is_some());
+    assert!(shoot.get("Lease", Some("kube-system"), "gardenet-agent").is_some());
 }
 
 #[tokio::test]
@@ -223,10 +176,7 @@ async fn some_nodes_not_ready() {
     // n3: no agent; n4: cordoned, not counted.
 
     let reporter = reporter(&server, &server, lead(&server).await, false);
-    assert_eq!(
-        within("reconcile", reporter.reconcile()).await.unwrap(),
-        Outcome::Written
-    );
+    assert_eq!(within("reconcile", reporter.reconcile()).await.unwrap(), Outcome::Written);
     let message = "2 of 3 schedulable nodes not ready: \
                    n2 (first full sync of Services and EndpointSlices is not programmed yet), n3 (no gardenet agent)";
     assert_eq!(
@@ -261,18 +211,11 @@ async fn kube_proxy_disabled_but_routing_impossible() {
     incapable.set_missing(vec!["bpf() is not permitted (EPERM)".into()]);
     report_node(&server, "n2", Arc::new(incapable)).await;
     let n2 = server.get("Node", None, "n2").unwrap();
-    assert_eq!(
-        n2["status"]["conditions"][0]["reason"],
-        "DataplaneUnavailable"
-    );
+    assert_eq!(n2["status"]["conditions"][0]["reason"], "DataplaneUnavailable");
 
     let reporter = reporter(&server, &server, lead(&server).await, false);
-    assert_eq!(
-        within("reconcile", reporter.reconcile()).await.unwrap(),
-        Outcome::Written
-    );
-    let message =
-        "kube-proxy is disabled, so gardenet must route Services, but cannot: node n2: bpf() is not permitted (EPERM)";
+    assert_eq!(within("reconcile", reporter.reconcile()).await.unwrap(), Outcome::Written);
+    let message = "kube-proxy is disabled, so gardenet must route Services, but cannot: node n2: bpf() is not permitted (EPERM)";
     assert_eq!(
         without_times(stored_network_status(&server)),
         json!({
@@ -296,10 +239,7 @@ async fn kube_proxy_disabled_but_routing_impossible() {
 
     // Fixed: the error is cleared (lastError: null in the merge patch removes it).
     report_node(&server, "n2", ready_state()).await;
-    assert_eq!(
-        within("reconcile", reporter.reconcile()).await.unwrap(),
-        Outcome::Written
-    );
+    assert_eq!(within("reconcile", reporter.reconcile()).await.unwrap(), Outcome::Written);
     let status = stored_network_status(&server);
     assert!(status.get("lastError").is_none(), "{status}");
     assert_eq!(status["lastOperation"]["state"], "Succeeded");
@@ -317,8 +257,7 @@ async fn network_status_write_keeps_other_writers_fields() {
     let server = ApiServer::start().await;
     server.apply(node("n1", false, json!([])));
     report_node(&server, "n1", ready_state()).await;
-    let resources =
-        json!([{"name": "r", "resourceRef": {"apiVersion": "v1", "kind": "Secret", "name": "s"}}]);
+    let resources = json!([{"name": "r", "resourceRef": {"apiVersion": "v1", "kind": "Secret", "name": "s"}}]);
     server.apply(network(Some(json!({
         "conditions": [foreign_condition("HealthCheck")],
         "providerStatus": {"apiVersion": PROVIDER_API_VERSION, "kind": "NetworkStatus", "foreignField": "kept"},
@@ -331,30 +270,13 @@ async fn network_status_write_keeps_other_writers_fields() {
     // A stale read loses against a concurrent writer instead of overwriting its condition.
     let networks: Api<Network> = Api::namespaced(client(&server), NETWORK_NS);
     let stale = within("get", networks.get(NETWORK_NAME)).await.unwrap();
-    let mut current = server
-        .get("Network", Some(NETWORK_NS), NETWORK_NAME)
-        .unwrap();
-    current["status"]["conditions"]
-        .as_array_mut()
-        .unwrap()
-        .push(foreign_condition("Other"));
+    let mut current = server.get("Network", Some(NETWORK_NS), NETWORK_NAME).unwrap();
+    current["status"]["conditions"].as_array_mut().unwrap().push(foreign_condition("Other"));
     server.apply(current);
-    assert_eq!(
-        within("write", reporter.write(&stale)).await.unwrap(),
-        Outcome::Conflict
-    );
-    assert_eq!(
-        stored_network_status(&server)["conditions"]
-            .as_array()
-            .unwrap()
-            .len(),
-        2
-    );
+    assert_eq!(within("write", reporter.write(&stale)).await.unwrap(), Outcome::Conflict);
+    assert_eq!(stored_network_status(&server)["conditions"].as_array().unwrap().len(), 2);
 
-    assert_eq!(
-        within("reconcile", reporter.reconcile()).await.unwrap(),
-        Outcome::Written
-    );
+    assert_eq!(within("reconcile", reporter.reconcile()).await.unwrap(), Outcome::Written);
     let status = stored_network_status(&server);
     let conditions = status["conditions"].as_array().unwrap();
     assert_eq!(conditions.len(), 3, "{status}");
@@ -370,10 +292,7 @@ async fn network_status_write_keeps_other_writers_fields() {
     // The foreign providerStatus field makes the typed statuses differ, but the merge
     // patch would change nothing: no write.
     let before = patches_to(&server, NETWORK_STATUS_PATH).len();
-    assert_eq!(
-        within("reconcile", reporter.reconcile()).await.unwrap(),
-        Outcome::Unchanged
-    );
+    assert_eq!(within("reconcile", reporter.reconcile()).await.unwrap(), Outcome::Unchanged);
     assert_eq!(patches_to(&server, NETWORK_STATUS_PATH).len(), before);
 }
 
@@ -382,10 +301,7 @@ async fn only_the_leader_writes_and_never_into_other_networks() {
     let server = ApiServer::start().await;
     server.apply(network(None));
     let follower = reporter(&server, &server, Leadership::default(), false);
-    assert_eq!(
-        within("reconcile", follower.reconcile()).await.unwrap(),
-        Outcome::NotLeader
-    );
+    assert_eq!(within("reconcile", follower.reconcile()).await.unwrap(), Outcome::NotLeader);
 
     let mut calico = network(None);
     calico["spec"]["type"] = "calico".into();
@@ -407,23 +323,10 @@ async fn node_condition_write_keeps_other_conditions() {
     ]);
     server.apply(node("n1", false, kubelet.clone()));
     let state = ready_state();
-    let reporter = NodeReporter::new(
-        client(&server),
-        "n1",
-        state.clone(),
-        NodeReporterConfig::default(),
-    )
-    .unwrap();
-    let conditions = |server: &ApiServer| {
-        server.get("Node", None, "n1").unwrap()["status"]["conditions"].clone()
-    };
+    let reporter = NodeReporter::new(client(&server), "n1", state.clone(), NodeReporterConfig::default()).unwrap();
+    let conditions = |server: &ApiServer| server.get("Node", None, "n1").unwrap()["status"]["conditions"].clone();
 
-    assert_eq!(
-        within("report", reporter.report(false, false))
-            .await
-            .unwrap(),
-        Report::Written
-    );
+    assert_eq!(within("report", reporter.report(false, false)).await.unwrap(), Report::Written);
     let after = conditions(&server);
     assert_eq!(after.as_array().unwrap().len(), 3);
     assert_eq!(after[0], kubelet[0]);
@@ -432,56 +335,28 @@ async fn node_condition_write_keeps_other_conditions() {
     assert_eq!(after[2]["status"], "True");
 
     // Unchanged and no heartbeat due: no write.
-    assert_eq!(
-        within("report", reporter.report(false, false))
-            .await
-            .unwrap(),
-        Report::Unchanged
-    );
+    assert_eq!(within("report", reporter.report(false, false)).await.unwrap(), Report::Unchanged);
 
     // A change rewrites exactly our entry, guarded by a test of its type.
     state.set_interface("eth1", false, Some("no such device".into()));
-    assert_eq!(
-        within("report", reporter.report(false, false))
-            .await
-            .unwrap(),
-        Report::Written
-    );
+    assert_eq!(within("report", reporter.report(false, false)).await.unwrap(), Report::Written);
     let after = conditions(&server);
     assert_eq!(after[0], kubelet[0]);
     assert_eq!(after[1], kubelet[1]);
     assert_eq!(after[2]["status"], "False");
     assert_eq!(after[2]["reason"], "AgentNotReady");
-    assert_eq!(
-        after[2]["message"],
-        "interface eth1: not attached: no such device"
-    );
-    let patch = server
-        .requests()
-        .into_iter()
-        .rfind(|r| r.method == "PATCH")
-        .unwrap();
+    assert_eq!(after[2]["message"], "interface eth1: not attached: no such device");
+    let patch = server.requests().into_iter().rfind(|r| r.method == "PATCH").unwrap();
     assert_eq!(patch.path, "/api/v1/nodes/n1/status");
-    assert_eq!(
-        patch.content_type.as_deref(),
-        Some("application/json-patch+json")
-    );
-    assert_eq!(
-        patch.body.unwrap()[0],
-        json!({"op": "test", "path": "/status/conditions/2/type", "value": NODE_CONDITION_AGENT_READY})
-    );
+    assert_eq!(patch.content_type.as_deref(), Some("application/json-patch+json"));
+    assert_eq!(patch.body.unwrap()[0], json!({"op": "test", "path": "/status/conditions/2/type", "value": NODE_CONDITION_AGENT_READY}));
 
     // The kubelet's list moved under us: our index is re-read, nothing of theirs is lost.
     let mut n = server.get("Node", None, "n1").unwrap();
     n["status"]["conditions"].as_array_mut().unwrap().remove(0);
     server.apply(n);
     state.remove_interface("eth1");
-    assert_eq!(
-        within("report", reporter.report(true, false))
-            .await
-            .unwrap(),
-        Report::Written
-    );
+    assert_eq!(within("report", reporter.report(true, false)).await.unwrap(), Report::Written);
     let after = conditions(&server);
     assert_eq!(after.as_array().unwrap().len(), 2);
     assert_eq!(after[0], kubelet[1]);
@@ -490,25 +365,14 @@ async fn node_condition_write_keeps_other_conditions() {
     let mut n = server.get("Node", None, "n1").unwrap();
     n["status"]["conditions"][1]["lastTransitionTime"] = "2025-01-01T00:00:00Z".into();
     server.apply(n);
-    assert_eq!(
-        within("report", reporter.report(true, false))
-            .await
-            .unwrap(),
-        Report::Written
-    );
+    assert_eq!(within("report", reporter.report(true, false)).await.unwrap(), Report::Written);
     let after = conditions(&server);
     assert_eq!(after[1]["lastTransitionTime"], "2025-01-01T00:00:00Z");
     assert_ne!(after[1]["lastHeartbeatTime"], "2025-01-01T00:00:00Z");
 
     // Shutting down leaves a not-ready condition behind.
-    assert_eq!(
-        within("report", reporter.report(true, true)).await.unwrap(),
-        Report::Written
-    );
-    assert_eq!(
-        conditions(&server)[1]["message"],
-        "gardenet agent is shutting down"
-    );
+    assert_eq!(within("report", reporter.report(true, true)).await.unwrap(), Report::Written);
+    assert_eq!(conditions(&server)[1]["message"], "gardenet agent is shutting down");
 }
 
 #[tokio::test]
@@ -516,19 +380,11 @@ async fn node_reporter_runs_on_change_and_stops_cleanly() {
     let server = ApiServer::start().await;
     server.apply(node("n1", false, json!([])));
     let state = Arc::new(AgentState::default());
-    let config = NodeReporterConfig {
-        min_interval: Duration::from_millis(10),
-        report_stopping: true,
-        ..Default::default()
-    };
+    let config = NodeReporterConfig { min_interval: Duration::from_millis(10), report_stopping: true, ..Default::default() };
     let reporter = NodeReporter::new(client(&server), "n1", state.clone(), config).unwrap();
     let (stop, shutdown) = shutdown_channel();
     let task = tokio::spawn(reporter.run(shutdown));
-    let status_of = |server: &ApiServer| {
-        server.get("Node", None, "n1").unwrap()["status"]["conditions"][0]["status"]
-            .as_str()
-            .map(str::to_owned)
-    };
+    let status_of = |server: &ApiServer| server.get("Node", None, "n1").unwrap()["status"]["conditions"][0]["status"].as_str().map(str::to_owned);
     let wait_for = |want: &'static str| {
         let server = &server;
         async move {
@@ -544,10 +400,7 @@ async fn node_reporter_runs_on_change_and_stops_cleanly() {
     stop.send(true).unwrap();
     within("reporter stops", task).await.unwrap();
     let node = server.get("Node", None, "n1").unwrap();
-    assert_eq!(
-        node["status"]["conditions"][0]["message"],
-        "gardenet agent is shutting down"
-    );
+    assert_eq!(node["status"]["conditions"][0]["message"], "gardenet agent is shutting down");
 }
 
 fn fast_timing(lease_ms: u64, deadline_ms: u64) -> LeaseTiming {
@@ -560,10 +413,7 @@ fn fast_timing(lease_ms: u64, deadline_ms: u64) -> LeaseTiming {
 }
 
 /// Samples both leaderships until dropped; `overlap` is set if both ever led at once.
-fn watch_for_two_leaders(
-    a: Leadership,
-    b: Leadership,
-) -> (Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
+fn watch_for_two_leaders(a: Leadership, b: Leadership) -> (Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
     let overlap = Arc::new(AtomicBool::new(false));
     let flag = overlap.clone();
     let task = tokio::spawn(async move {
@@ -584,9 +434,7 @@ async fn until_leader(l: &Leadership) {
 }
 
 fn lease(server: &ApiServer) -> Value {
-    server
-        .get("Lease", Some("kube-system"), "gardenet-agent")
-        .expect("lease")
+    server.get("Lease", Some("kube-system"), "gardenet-agent").expect("lease")
 }
 
 #[tokio::test]
@@ -615,10 +463,7 @@ async fn lease_handover_after_expiry_never_two_leaders() {
     within("B takes over", until_leader(&lb)).await;
     let waited = stopped_at.elapsed();
     // A's last renewal was at most one retry period (plus a request) before it stopped.
-    assert!(
-        waited >= Duration::from_millis(2000 - 100 - 100),
-        "took over after {waited:?}"
-    );
+    assert!(waited >= Duration::from_millis(2000 - 100 - 100), "took over after {waited:?}");
     assert!(!la.is_leader());
     let spec = lease(&server)["spec"].clone();
     assert_eq!(spec["holderIdentity"], "agent-b");
@@ -630,9 +475,7 @@ async fn lease_handover_after_expiry_never_two_leaders() {
     sampler.abort();
     assert!(!overlap.load(SeqCst), "two agents led at the same time");
     // B released on shutdown.
-    assert!(lease(&server)["spec"]
-        .get("holderIdentity")
-        .is_none_or(Value::is_null));
+    assert!(lease(&server)["spec"].get("holderIdentity").is_none_or(Value::is_null));
 }
 
 #[tokio::test]
@@ -657,11 +500,7 @@ async fn released_lease_is_taken_over_without_waiting_for_expiry() {
     within("A releases", task_a).await.unwrap().unwrap();
     assert!(!la.is_leader());
     within("B takes over", until_leader(&lb)).await;
-    assert!(
-        released_at.elapsed() < Duration::from_millis(3000),
-        "{:?}",
-        released_at.elapsed()
-    );
+    assert!(released_at.elapsed() < Duration::from_millis(3000), "{:?}", released_at.elapsed());
     task_b.abort();
     sampler.abort();
     assert!(!overlap.load(SeqCst), "two agents led at the same time");
@@ -675,21 +514,11 @@ async fn simultaneous_candidates_elect_exactly_one() {
     let mut a = Elector::gardenet(client(&server), "agent-a", timing).unwrap();
     let mut b = Elector::gardenet(client(&server), "agent-b", timing).unwrap();
     for _ in 0..5 {
-        let (ra, rb) = within("round", async {
-            tokio::join!(a.try_acquire_or_renew(), b.try_acquire_or_renew())
-        })
-        .await;
+        let (ra, rb) = within("round", async { tokio::join!(a.try_acquire_or_renew(), b.try_acquire_or_renew()) }).await;
         let (ra, rb) = (ra.unwrap(), rb.unwrap());
         assert!(ra ^ rb, "exactly one leads: a={ra} b={rb}");
     }
-    let holder = lease(&server)["spec"]["holderIdentity"]
-        .as_str()
-        .map(str::to_owned)
-        .unwrap();
-    let leader = if a.leadership().is_leader() {
-        a.identity()
-    } else {
-        b.identity()
-    };
+    let holder = lease(&server)["spec"]["holderIdentity"].as_str().map(str::to_owned).unwrap();
+    let leader = if a.leadership().is_leader() { a.identity() } else { b.identity() };
     assert_eq!(holder, leader);
 }

@@ -27,16 +27,24 @@ pub struct Kernel {
 }
 
 /// Oldest first: the first is the floor that `cargo xtask test` (and so CI) always runs.
-pub const KERNELS: &[Kernel] = &[
-    Kernel { name: "5.10", suite: "bullseye" },
-    Kernel { name: "6.1", suite: "bookworm" },
-    Kernel { name: "6.12", suite: "trixie" },
-];
+pub const KERNELS: &[Kernel] =
+    &[Kernel { name: "5.10", suite: "bullseye" }, Kernel { name: "6.1", suite: "bookworm" }, Kernel { name: "6.12", suite: "trixie" }];
 
 /// The privileged namespace suites (`tests/tests/*.rs` that need root and a kernel). Suites
 /// that only measure speed (`cargo xtask bench`) stay on the host.
-pub const PRIVILEGED_SUITES: &[&str] =
-    &["dataplane", "ipv6", "interfaces", "links_watch", "nodeport_snat", "icmp_pmtu", "control_plane", "kube_agent", "kernel_features", "endpoint_selection", "local_redirect"];
+pub const PRIVILEGED_SUITES: &[&str] = &[
+    "dataplane",
+    "ipv6",
+    "interfaces",
+    "links_watch",
+    "nodeport_snat",
+    "icmp_pmtu",
+    "control_plane",
+    "kube_agent",
+    "kernel_features",
+    "endpoint_selection",
+    "local_redirect",
+];
 
 /// Per-suite limit inside a VM (a hung suite must not hold the matrix).
 const SUITE_TIMEOUT_S: u64 = 1_800;
@@ -45,9 +53,7 @@ pub fn kernels(spec: &str) -> Result<Vec<&'static Kernel>> {
     if spec == "all" {
         return Ok(KERNELS.iter().collect());
     }
-    spec.split(',')
-        .map(|n| KERNELS.iter().find(|k| k.name == n).with_context(|| format!("unknown kernel {n:?}: one of 5.10, 6.1, 6.12 or all")))
-        .collect()
+    spec.split(',').map(|n| KERNELS.iter().find(|k| k.name == n).with_context(|| format!("unknown kernel {n:?}: one of 5.10, 6.1, 6.12 or all"))).collect()
 }
 
 /// Where kernels, tools and initrds are cached (outside the checkout: a fresh clone reuses them).
@@ -202,7 +208,8 @@ pub fn fetch(k: &Kernel) -> Result<Fetched> {
         let _ = fs::remove_dir_all(&root);
         fs::rename(&tmp, &root)?;
     }
-    let moddir = ["lib/modules", "usr/lib/modules"].iter().map(|d| root.join(d)).find(|d| d.join(&release).exists()).context("kernel package without modules")?;
+    let moddir =
+        ["lib/modules", "usr/lib/modules"].iter().map(|d| root.join(d)).find(|d| d.join(&release).exists()).context("kernel package without modules")?;
     // kmod's depmod writes the binary indexes the guest's modprobe needs for autoloading.
     if !moddir.join(&release).join("modules.dep.bin").exists() {
         run(Command::new(tools.join("kbin/depmod")).arg("-b").arg(moddir.parent().unwrap().parent().unwrap()).arg(&release))?;
@@ -352,7 +359,11 @@ fn parse_console(text: &str) -> BTreeMap<String, SuiteResult> {
             }
         } else if let (Some((_, r)), Some(rest)) = (cur.as_mut(), line.strip_prefix("test result: ")) {
             // "test result: ok. 9 passed; 0 failed; 0 ignored; ..."
-            let num = |k: &str| rest.split(';').find_map(|p| p.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(k)).and_then(|n| n.trim().parse::<u32>().ok());
+            let num = |k: &str| {
+                rest.split(';')
+                    .find_map(|p| p.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(k))
+                    .and_then(|n| n.trim().parse::<u32>().ok())
+            };
             r.passed += num(" passed").unwrap_or(0);
             r.failed += num(" failed").unwrap_or(0);
         }

@@ -78,10 +78,26 @@ fn main() -> Result<()> {
             if let Some(spec) = kernel {
                 return kernel_matrix(&kmatrix::kernels(&spec)?, suites.as_deref(), &args);
             }
-            // Lints first: a warning fails the run (the eBPF crate builds only for its target).
+            // Style and lints first: a diff or a warning fails the run (the eBPF crate is
+            // formatted too, but builds only for its target, so clippy skips it).
+            cargo(&["fmt", "--all", "--", "--check"])?;
             cargo(&[
-                "clippy", "--no-deps", "--all-targets", "-p", "gardenet-common", "-p", "gardenet-agent", "-p", "gardenet-tests", "-p", "gardenet-extension",
-                "-p", "xtask", "--", "-D", "warnings",
+                "clippy",
+                "--no-deps",
+                "--all-targets",
+                "-p",
+                "gardenet-common",
+                "-p",
+                "gardenet-agent",
+                "-p",
+                "gardenet-tests",
+                "-p",
+                "gardenet-extension",
+                "-p",
+                "xtask",
+                "--",
+                "-D",
+                "warnings",
             ])?;
             let mut a = vec!["test".to_string()];
             if !args.is_empty() {
@@ -201,13 +217,9 @@ const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 fn setup() -> Result<()> {
     let mut pkgs: Vec<&str> = Vec::new();
     // qemu and xz: the kernel matrix's VMs (`cargo xtask test` runs the oldest kernel in one).
-    for (bin, pkg) in [
-        ("ip", "iproute2"),
-        ("nsenter", "util-linux"),
-        ("iptables-restore", "iptables"),
-        ("qemu-system-x86_64", "qemu-system-x86"),
-        ("xz", "xz-utils"),
-    ] {
+    for (bin, pkg) in
+        [("ip", "iproute2"), ("nsenter", "util-linux"), ("iptables-restore", "iptables"), ("qemu-system-x86_64", "qemu-system-x86"), ("xz", "xz-utils")]
+    {
         if !have(bin) {
             pkgs.push(pkg);
         }
@@ -352,7 +364,10 @@ fn e2e_kind(keep: bool) -> Result<()> {
         }
         // Nothing routes the `kubernetes` Service yet: the agent talks to the API server directly.
         let api = output(Command::new("docker").args([
-            "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", &format!("{KIND_CLUSTER}-control-plane"),
+            "inspect",
+            "-f",
+            "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+            &format!("{KIND_CLUSTER}-control-plane"),
         ]))?;
         kubectl(&["-n", "kube-system", "set", "image", "ds/gardenet-agent", &format!("*={E2E_IMAGE}")])?;
         kubectl(&["-n", "kube-system", "set", "env", "ds/gardenet-agent", &format!("KUBERNETES_SERVICE_HOST={api}"), "KUBERNETES_SERVICE_PORT=6443"])?;
@@ -360,14 +375,35 @@ fn e2e_kind(keep: bool) -> Result<()> {
 
         // Smoke test: three echo backends behind a ClusterIP, reached by name (DNS is a
         // Service too) from a client pod; every backend must answer.
-        kubectl(&["create", "deployment", "echo", "--image=registry.k8s.io/e2e-test-images/agnhost:2.53", "--replicas=3", "--", "/agnhost", "netexec", "--http-port=8080"])?;
+        kubectl(&[
+            "create",
+            "deployment",
+            "echo",
+            "--image=registry.k8s.io/e2e-test-images/agnhost:2.53",
+            "--replicas=3",
+            "--",
+            "/agnhost",
+            "netexec",
+            "--http-port=8080",
+        ])?;
         kubectl(&["expose", "deployment", "echo", "--port=80", "--target-port=8080"])?;
         kubectl(&["rollout", "status", "deployment/echo", "--timeout=180s"])?;
         kubectl(&["-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=180s"])?;
         let script = "for i in $(seq 1 60); do curl -s --max-time 2 http://echo.default.svc.cluster.local/hostname; echo; done";
         let out = output(Command::new("kubectl").args([
-            "--context", &format!("kind-{KIND_CLUSTER}"), "run", "e2e-client", "--rm", "-i", "--restart=Never",
-            "--image=registry.k8s.io/e2e-test-images/agnhost:2.53", "--command", "--", "sh", "-c", script,
+            "--context",
+            &format!("kind-{KIND_CLUSTER}"),
+            "run",
+            "e2e-client",
+            "--rm",
+            "-i",
+            "--restart=Never",
+            "--image=registry.k8s.io/e2e-test-images/agnhost:2.53",
+            "--command",
+            "--",
+            "sh",
+            "-c",
+            script,
         ]))?;
         let mut seen: std::collections::BTreeMap<&str, u32> = Default::default();
         for l in out.lines().map(str::trim).filter(|l| l.starts_with("echo-")) {

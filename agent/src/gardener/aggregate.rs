@@ -26,8 +26,8 @@ use serde_json::{json, Value};
 use super::capability::CapabilityReport;
 use super::config::{NetworkConfig, ServiceRouting};
 use super::network::{
-    Condition, ConditionStatus, IpFamily, LastError, LastOperation, LastOperationState,
-    LastOperationType, Network, NetworkSpec, NetworkStatus, ERR_CONFIGURATION_PROBLEM,
+    Condition, ConditionStatus, IpFamily, LastError, LastOperation, LastOperationState, LastOperationType, Network, NetworkSpec, NetworkStatus,
+    ERR_CONFIGURATION_PROBLEM,
 };
 use super::PROVIDER_API_VERSION;
 
@@ -159,16 +159,10 @@ pub fn aggregate(input: &AggregateInput<'_>) -> DesiredStatus {
 
     let mut problems = Vec::new();
     if routing.active() {
-        for family in requested_families
-            .iter()
-            .filter(|f| !SUPPORTED_IP_FAMILIES.contains(f))
-        {
-            problems.push(format!(
-                "{family} Service routing is not supported by gardenet"
-            ));
+        for family in requested_families.iter().filter(|f| !SUPPORTED_IP_FAMILIES.contains(f)) {
+            problems.push(format!("{family} Service routing is not supported by gardenet"));
         }
-        let mut incapable: Vec<&&NodeReadiness> =
-            counted.iter().filter(|n| !n.missing.is_empty()).collect();
+        let mut incapable: Vec<&&NodeReadiness> = counted.iter().filter(|n| !n.missing.is_empty()).collect();
         incapable.sort_by(|a, b| a.name.cmp(&b.name));
         let named = incapable.len().min(MAX_NAMED_NODES);
         for n in &incapable[..named] {
@@ -190,10 +184,7 @@ pub fn aggregate(input: &AggregateInput<'_>) -> DesiredStatus {
         _ if !problems.is_empty() => {
             let required = routing == ServiceRouting::Required;
             let msg = if required {
-                format!(
-                    "kube-proxy is disabled, so gardenet must route Services, but cannot: {}",
-                    problems.join("; ")
-                )
+                format!("kube-proxy is disabled, so gardenet must route Services, but cannot: {}", problems.join("; "))
             } else {
                 format!(
                     "gardenet was asked to take over Service routing from kube-proxy, but cannot \
@@ -207,8 +198,7 @@ pub fn aggregate(input: &AggregateInput<'_>) -> DesiredStatus {
         ServiceRouting::Off => (
             ConditionStatus::True,
             "KubeProxyRoutesServices",
-            "kube-proxy routes Services; gardenet does not take over (kubeProxyReplacement.enabled is not true)"
-                .to_owned(),
+            "kube-proxy routes Services; gardenet does not take over (kubeProxyReplacement.enabled is not true)".to_owned(),
             None,
         ),
         ServiceRouting::Required | ServiceRouting::Requested if total == 0 => (
@@ -219,28 +209,17 @@ pub fn aggregate(input: &AggregateInput<'_>) -> DesiredStatus {
             "no schedulable nodes yet".to_owned(),
             None,
         ),
-        ServiceRouting::Required | ServiceRouting::Requested if ready == total => (
-            ConditionStatus::True,
-            REASON_AGENT_READY,
-            format!("gardenet agents ready on all {total} schedulable nodes"),
-            None,
-        ),
+        ServiceRouting::Required | ServiceRouting::Requested if ready == total => {
+            (ConditionStatus::True, REASON_AGENT_READY, format!("gardenet agents ready on all {total} schedulable nodes"), None)
+        }
         ServiceRouting::Required | ServiceRouting::Requested => {
             let mut not_ready: Vec<&&NodeReadiness> = counted.iter().filter(|n| !n.is_ready()).collect();
             not_ready.sort_by(|a, b| a.name.cmp(&b.name));
-            let mut names: Vec<String> = not_ready
-                .iter()
-                .take(MAX_NAMED_NODES)
-                .map(|n| format!("{} ({})", n.name, n.why_not_ready()))
-                .collect();
+            let mut names: Vec<String> = not_ready.iter().take(MAX_NAMED_NODES).map(|n| format!("{} ({})", n.name, n.why_not_ready())).collect();
             if not_ready.len() > MAX_NAMED_NODES {
                 names.push(format!("and {} more", not_ready.len() - MAX_NAMED_NODES));
             }
-            let msg = format!(
-                "{} of {total} schedulable nodes not ready: {}",
-                not_ready.len(),
-                names.join(", ")
-            );
+            let msg = format!("{} of {total} schedulable nodes not ready: {}", not_ready.len(), names.join(", "));
             (ConditionStatus::False, REASON_AGENT_NOT_READY, msg, None)
         }
     };
@@ -248,30 +227,14 @@ pub fn aggregate(input: &AggregateInput<'_>) -> DesiredStatus {
     let (state, description) = if let Some(err) = &last_error {
         (LastOperationState::Error, err.description.clone())
     } else if cond_status == ConditionStatus::True {
-        (
-            LastOperationState::Succeeded,
-            format!("Service routing reconciled: {message}"),
-        )
+        (LastOperationState::Succeeded, format!("Service routing reconciled: {message}"))
     } else {
-        (
-            LastOperationState::Processing,
-            format!("Waiting for gardenet agents: {message}"),
-        )
+        (LastOperationState::Processing, format!("Waiting for gardenet agents: {message}"))
     };
-    let progress = if state == LastOperationState::Succeeded {
-        100
-    } else {
-        progress
-    };
+    let progress = if state == LastOperationState::Succeeded { 100 } else { progress };
 
-    let ip_families = if routing.active() {
-        requested_families
-            .into_iter()
-            .filter(|f| SUPPORTED_IP_FAMILIES.contains(f))
-            .collect()
-    } else {
-        requested_families
-    };
+    let ip_families =
+        if routing.active() { requested_families.into_iter().filter(|f| SUPPORTED_IP_FAMILIES.contains(f)).collect() } else { requested_families };
 
     DesiredStatus {
         condition: Condition {
@@ -281,19 +244,10 @@ pub fn aggregate(input: &AggregateInput<'_>) -> DesiredStatus {
             last_update_time: Some(input.now.clone()),
             reason: reason.to_owned(),
             message,
-            codes: last_error
-                .as_ref()
-                .map(|e| e.codes.clone())
-                .unwrap_or_default(),
+            codes: last_error.as_ref().map(|e| e.codes.clone()).unwrap_or_default(),
             extra: Default::default(),
         },
-        last_operation: LastOperation {
-            description,
-            last_update_time: Some(input.now.clone()),
-            progress,
-            state,
-            type_: LastOperationType::Reconcile,
-        },
+        last_operation: LastOperation { description, last_update_time: Some(input.now.clone()), progress, state, type_: LastOperationType::Reconcile },
         last_error,
         observed_generation: input.generation,
         ip_families,
@@ -311,11 +265,7 @@ fn new_last_error(description: &str, configuration_problem: bool, now: &Time) ->
     LastError {
         description: description.to_owned(),
         task_id: None,
-        codes: if configuration_problem {
-            vec![ERR_CONFIGURATION_PROBLEM.to_owned()]
-        } else {
-            Vec::new()
-        },
+        codes: if configuration_problem { vec![ERR_CONFIGURATION_PROBLEM.to_owned()] } else { Vec::new() },
         last_update_time: Some(now.clone()),
     }
 }
@@ -331,10 +281,7 @@ pub fn merge(current: Option<&NetworkStatus>, desired: &DesiredStatus) -> Networ
     match status.conditions.iter_mut().find(|c| c.type_ == want.type_) {
         Some(have) => {
             let transitioned = have.status != want.status;
-            let changed = transitioned
-                || have.reason != want.reason
-                || have.message != want.message
-                || have.codes != want.codes;
+            let changed = transitioned || have.reason != want.reason || have.message != want.message || have.codes != want.codes;
             if transitioned || have.last_transition_time.is_none() {
                 have.last_transition_time = want.last_transition_time.clone();
             }
@@ -351,10 +298,7 @@ pub fn merge(current: Option<&NetworkStatus>, desired: &DesiredStatus) -> Networ
 
     let mut op = desired.last_operation.clone();
     if let Some(have) = &status.last_operation {
-        let same = have.type_ == op.type_
-            && have.state == op.state
-            && have.progress == op.progress
-            && have.description == op.description;
+        let same = have.type_ == op.type_ && have.state == op.state && have.progress == op.progress && have.description == op.description;
         if same && have.last_update_time.is_some() {
             op.last_update_time = have.last_update_time.clone();
         }
@@ -363,10 +307,7 @@ pub fn merge(current: Option<&NetworkStatus>, desired: &DesiredStatus) -> Networ
 
     status.last_error = desired.last_error.clone().map(|mut err| {
         if let Some(have) = &status.last_error {
-            if have.description == err.description
-                && have.codes == err.codes
-                && have.last_update_time.is_some()
-            {
+            if have.description == err.description && have.codes == err.codes && have.last_update_time.is_some() {
                 err.last_update_time = have.last_update_time.clone();
             }
         }
@@ -405,55 +346,27 @@ pub fn status_patch(status: &NetworkStatus, resource_version: Option<&str>) -> V
 /// The whole aggregation step for one Network: the merge patch to send to its `status`
 /// subresource, or `None` when the status is already what gardenet wants (no write, no
 /// event churn).
-pub fn status_update(
-    network: &Network,
-    config: &NetworkConfig,
-    kube_proxy_enabled: bool,
-    nodes: &[NodeReadiness],
-    now: Time,
-) -> Option<Value> {
-    let desired = aggregate(&AggregateInput {
-        generation: network.metadata.generation.unwrap_or(0),
-        spec: &network.spec,
-        config,
-        kube_proxy_enabled,
-        nodes,
-        now,
-    });
+pub fn status_update(network: &Network, config: &NetworkConfig, kube_proxy_enabled: bool, nodes: &[NodeReadiness], now: Time) -> Option<Value> {
+    let desired =
+        aggregate(&AggregateInput { generation: network.metadata.generation.unwrap_or(0), spec: &network.spec, config, kube_proxy_enabled, nodes, now });
     let current = network.status.as_ref();
     let merged = merge(current, &desired);
     if current == Some(&merged) {
         return None;
     }
-    Some(status_patch(
-        &merged,
-        network.metadata.resource_version.as_deref(),
-    ))
+    Some(status_patch(&merged, network.metadata.resource_version.as_deref()))
 }
 
 /// The condition an agent puts on its own Node (`nodes/status`, strategic merge by `type`).
 /// `ready` is the agent's own verdict (dataplane loaded and synced); missing prerequisites
 /// override it.
-pub fn node_condition(
-    ready: bool,
-    capability: &CapabilityReport,
-    detail: Option<&str>,
-    now: &Time,
-) -> NodeCondition {
+pub fn node_condition(ready: bool, capability: &CapabilityReport, detail: Option<&str>, now: &Time) -> NodeCondition {
     let (status, reason, message) = if !capability.is_capable() {
         ("False", REASON_DATAPLANE_UNAVAILABLE, capability.summary())
     } else if ready {
-        (
-            "True",
-            REASON_AGENT_READY,
-            "gardenet dataplane is loaded and in sync".to_owned(),
-        )
+        ("True", REASON_AGENT_READY, "gardenet dataplane is loaded and in sync".to_owned())
     } else {
-        (
-            "False",
-            REASON_AGENT_NOT_READY,
-            detail.unwrap_or("gardenet agent is starting").to_owned(),
-        )
+        ("False", REASON_AGENT_NOT_READY, detail.unwrap_or("gardenet agent is starting").to_owned())
     };
     NodeCondition {
         type_: NODE_CONDITION_AGENT_READY.to_owned(),
@@ -472,35 +385,14 @@ pub fn node_condition(
 /// withdraw its `True`, so agents must refresh the heartbeat more often than that.
 pub fn node_readiness(node: &Node, now: &Time, max_age_seconds: i64) -> NodeReadiness {
     let name = node.metadata.name.clone().unwrap_or_default();
-    let schedulable = !node
-        .spec
-        .as_ref()
-        .and_then(|s| s.unschedulable)
-        .unwrap_or(false);
-    let cond = node
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == NODE_CONDITION_AGENT_READY));
+    let schedulable = !node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+    let cond = node.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|cs| cs.iter().find(|c| c.type_ == NODE_CONDITION_AGENT_READY));
     let Some(cond) = cond else {
-        return NodeReadiness {
-            name,
-            schedulable,
-            ..Default::default()
-        };
+        return NodeReadiness { name, schedulable, ..Default::default() };
     };
-    let age = cond
-        .last_heartbeat_time
-        .as_ref()
-        .map(|hb| now.0.as_second() - hb.0.as_second());
+    let age = cond.last_heartbeat_time.as_ref().map(|hb| now.0.as_second() - hb.0.as_second());
     if age.is_none_or(|a| a > max_age_seconds) {
-        return NodeReadiness {
-            name,
-            schedulable,
-            agent_ready: None,
-            reason: Some("gardenet agent stopped reporting".to_owned()),
-            missing: Vec::new(),
-        };
+        return NodeReadiness { name, schedulable, agent_ready: None, reason: Some("gardenet agent stopped reporting".to_owned()), missing: Vec::new() };
     }
     let ready = cond.status == "True";
     let message = cond.message.clone().filter(|m| !m.is_empty());
@@ -511,17 +403,7 @@ pub fn node_readiness(node: &Node, now: &Time, max_age_seconds: i64) -> NodeRead
         }
         _ => Vec::new(),
     };
-    NodeReadiness {
-        name,
-        schedulable,
-        agent_ready: Some(ready),
-        reason: if ready {
-            None
-        } else {
-            message.or_else(|| cond.reason.clone())
-        },
-        missing,
-    }
+    NodeReadiness { name, schedulable, agent_ready: Some(ready), reason: if ready { None } else { message.or_else(|| cond.reason.clone()) }, missing }
 }
 
 #[cfg(test)]
@@ -546,24 +428,12 @@ mod tests {
     }
 
     fn node(name: &str, ready: Option<bool>) -> NodeReadiness {
-        NodeReadiness {
-            name: name.into(),
-            schedulable: true,
-            agent_ready: ready,
-            ..Default::default()
-        }
+        NodeReadiness { name: name.into(), schedulable: true, agent_ready: ready, ..Default::default() }
     }
 
     fn run(kube_proxy: bool, config: &NetworkConfig, nodes: &[NodeReadiness]) -> DesiredStatus {
         let spec = spec();
-        aggregate(&AggregateInput {
-            generation: 7,
-            spec: &spec,
-            config,
-            kube_proxy_enabled: kube_proxy,
-            nodes,
-            now: t(0),
-        })
+        aggregate(&AggregateInput { generation: 7, spec: &spec, config, kube_proxy_enabled: kube_proxy, nodes, now: t(0) })
     }
 
     #[test]
@@ -594,42 +464,23 @@ mod tests {
     fn some_not_ready_are_named_and_progress_is_percent() {
         let mut c = node("c", Some(false));
         c.reason = Some("syncing Services".into());
-        let nodes = [
-            node("a", Some(true)),
-            node("b", Some(true)),
-            c,
-            node("d", Some(true)),
-        ];
+        let nodes = [node("a", Some(true)), node("b", Some(true)), c, node("d", Some(true))];
         let d = run(false, &NetworkConfig::default(), &nodes);
         assert_eq!(d.condition.status, ConditionStatus::False);
         assert_eq!(d.condition.reason, REASON_AGENT_NOT_READY);
-        assert_eq!(
-            d.condition.message,
-            "1 of 4 schedulable nodes not ready: c (syncing Services)"
-        );
+        assert_eq!(d.condition.message, "1 of 4 schedulable nodes not ready: c (syncing Services)");
         assert_eq!(d.last_operation.state, LastOperationState::Processing);
         assert_eq!(d.last_operation.progress, 75);
         assert_eq!(d.last_error, None);
-        assert_eq!(
-            (d.provider_status.ready_nodes, d.provider_status.total_nodes),
-            (3, 4)
-        );
+        assert_eq!((d.provider_status.ready_nodes, d.provider_status.total_nodes), (3, 4));
     }
 
     #[test]
     fn node_without_agent_counts_as_not_ready() {
-        let nodes = [
-            node("a", Some(true)),
-            node("b", None),
-            node("c", Some(true)),
-        ];
+        let nodes = [node("a", Some(true)), node("b", None), node("c", Some(true))];
         let d = run(false, &NetworkConfig::default(), &nodes);
         assert_eq!(d.condition.status, ConditionStatus::False);
-        assert!(
-            d.condition.message.contains("b (no gardenet agent)"),
-            "{}",
-            d.condition.message
-        );
+        assert!(d.condition.message.contains("b (no gardenet agent)"), "{}", d.condition.message);
         assert_eq!(d.last_operation.progress, 66);
     }
 
@@ -640,67 +491,39 @@ mod tests {
         let nodes = [node("a", Some(true)), cordoned];
         let d = run(false, &NetworkConfig::default(), &nodes);
         assert_eq!(d.condition.status, ConditionStatus::True);
-        assert_eq!(
-            (d.provider_status.ready_nodes, d.provider_status.total_nodes),
-            (1, 1)
-        );
+        assert_eq!((d.provider_status.ready_nodes, d.provider_status.total_nodes), (1, 1));
     }
 
     #[test]
     fn many_not_ready_nodes_are_truncated() {
         let nodes: Vec<_> = (0..25).map(|i| node(&format!("n{i:02}"), None)).collect();
         let d = run(false, &NetworkConfig::default(), &nodes);
-        assert!(d
-            .condition
-            .message
-            .starts_with("25 of 25 schedulable nodes not ready: n00 (no gardenet agent)"));
-        assert!(
-            d.condition.message.ends_with("and 15 more"),
-            "{}",
-            d.condition.message
-        );
+        assert!(d.condition.message.starts_with("25 of 25 schedulable nodes not ready: n00 (no gardenet agent)"));
+        assert!(d.condition.message.ends_with("and 15 more"), "{}", d.condition.message);
         assert_eq!(d.last_operation.progress, 0);
     }
 
     #[test]
     fn kube_proxy_disabled_but_routing_impossible() {
         let mut b = node("b", Some(false));
-        b.missing = vec![
-            "bpf() is not permitted (EPERM)".into(),
-            "cgroup2 is not mounted".into(),
-        ];
+        b.missing = vec!["bpf() is not permitted (EPERM)".into(), "cgroup2 is not mounted".into()];
         let nodes = [node("a", Some(true)), b];
         let d = run(false, &NetworkConfig::default(), &nodes);
         let err = d.last_error.as_ref().expect("lastError");
         assert_eq!(err.codes, vec![ERR_CONFIGURATION_PROBLEM.to_owned()]);
-        assert!(err
-            .description
-            .starts_with("kube-proxy is disabled, so gardenet must route Services"));
-        assert!(
-            err.description
-                .contains("node b: bpf() is not permitted (EPERM); cgroup2 is not mounted"),
-            "{}",
-            err.description
-        );
+        assert!(err.description.starts_with("kube-proxy is disabled, so gardenet must route Services"));
+        assert!(err.description.contains("node b: bpf() is not permitted (EPERM); cgroup2 is not mounted"), "{}", err.description);
         assert_eq!(err.last_update_time, Some(t(0)));
         assert_eq!(d.last_operation.state, LastOperationState::Error);
         assert_eq!(d.last_operation.description, err.description);
         assert_eq!(d.condition.status, ConditionStatus::False);
         assert_eq!(d.condition.reason, REASON_DATAPLANE_UNAVAILABLE);
-        assert_eq!(
-            d.condition.codes,
-            vec![ERR_CONFIGURATION_PROBLEM.to_owned()]
-        );
+        assert_eq!(d.condition.codes, vec![ERR_CONFIGURATION_PROBLEM.to_owned()]);
     }
 
     #[test]
     fn takeover_that_cannot_work_is_an_error_without_the_contract_code() {
-        let config = NetworkConfig {
-            kube_proxy_replacement: KubeProxyReplacement {
-                enabled: Some(true),
-            },
-            ..Default::default()
-        };
+        let config = NetworkConfig { kube_proxy_replacement: KubeProxyReplacement { enabled: Some(true) }, ..Default::default() };
         let mut a = node("a", Some(false));
         a.missing = vec!["kernel 4.19 is too old".into()];
         let d = run(true, &config, &[a]);
@@ -718,14 +541,7 @@ mod tests {
         let run_with = |families: Vec<IpFamily>| {
             let mut s = spec();
             s.ip_families = families;
-            aggregate(&AggregateInput {
-                generation: 1,
-                spec: &s,
-                config: &config,
-                kube_proxy_enabled: false,
-                nodes: &nodes,
-                now: t(0),
-            })
+            aggregate(&AggregateInput { generation: 1, spec: &s, config: &config, kube_proxy_enabled: false, nodes: &nodes, now: t(0) })
         };
         for families in [vec![IpFamily::IPv6], vec![IpFamily::IPv4, IpFamily::IPv6], vec![IpFamily::IPv6, IpFamily::IPv4]] {
             let d = run_with(families.clone());
@@ -735,24 +551,14 @@ mod tests {
         }
         let d = run_with(vec![IpFamily::IPv4, IpFamily::Other("IPv7".into())]);
         let err = d.last_error.expect("lastError");
-        assert!(
-            err.description
-                .contains("IPv7 Service routing is not supported"),
-            "{}",
-            err.description
-        );
+        assert!(err.description.contains("IPv7 Service routing is not supported"), "{}", err.description);
         assert_eq!(err.codes, vec![ERR_CONFIGURATION_PROBLEM.to_owned()]);
         assert_eq!(d.ip_families, vec![IpFamily::IPv4]);
     }
 
     #[test]
     fn kube_proxy_disabled_and_replacement_refused() {
-        let config = NetworkConfig {
-            kube_proxy_replacement: KubeProxyReplacement {
-                enabled: Some(false),
-            },
-            ..Default::default()
-        };
+        let config = NetworkConfig { kube_proxy_replacement: KubeProxyReplacement { enabled: Some(false) }, ..Default::default() };
         let d = run(false, &config, &[node("a", Some(true))]);
         let err = d.last_error.expect("lastError");
         assert_eq!(err.codes, vec![ERR_CONFIGURATION_PROBLEM.to_owned()]);
@@ -766,18 +572,12 @@ mod tests {
         let mut b = node("b", None);
         b.missing = vec!["bpf() is not permitted".into()];
         let d = run(true, &NetworkConfig::default(), &[node("a", Some(true)), b]);
-        assert_eq!(
-            d.last_error, None,
-            "kube-proxy routes: missing prerequisites do not matter"
-        );
+        assert_eq!(d.last_error, None, "kube-proxy routes: missing prerequisites do not matter");
         assert_eq!(d.condition.status, ConditionStatus::True);
         assert_eq!(d.condition.reason, "KubeProxyRoutesServices");
         assert_eq!(d.last_operation.state, LastOperationState::Succeeded);
         assert_eq!(d.provider_status.mode, RoutingMode::Passive);
-        assert_eq!(
-            (d.provider_status.ready_nodes, d.provider_status.total_nodes),
-            (1, 2)
-        );
+        assert_eq!((d.provider_status.ready_nodes, d.provider_status.total_nodes), (1, 2));
     }
 
     #[test]
@@ -833,22 +633,10 @@ mod tests {
         let spec = spec();
         let config = NetworkConfig::default();
         let nodes = [node("a", Some(true)), node("b", None)];
-        let at = |now| {
-            aggregate(&AggregateInput {
-                generation: 1,
-                spec: &spec,
-                config: &config,
-                kube_proxy_enabled: false,
-                nodes: &nodes,
-                now,
-            })
-        };
+        let at = |now| aggregate(&AggregateInput { generation: 1, spec: &spec, config: &config, kube_proxy_enabled: false, nodes: &nodes, now });
         let first = merge(None, &at(t(0)));
         let second = merge(Some(&first), &at(t(60)));
-        assert_eq!(
-            first, second,
-            "timestamps must not move when nothing changed"
-        );
+        assert_eq!(first, second, "timestamps must not move when nothing changed");
     }
 
     #[test]
@@ -857,70 +645,24 @@ mod tests {
         let config = NetworkConfig::default();
         let before = [node("a", Some(true)), node("b", None)];
         let after = [node("a", Some(true)), node("b", Some(true))];
-        let d1 = aggregate(&AggregateInput {
-            generation: 1,
-            spec: &spec,
-            config: &config,
-            kube_proxy_enabled: false,
-            nodes: &before,
-            now: t(0),
-        });
-        let d2 = aggregate(&AggregateInput {
-            generation: 1,
-            spec: &spec,
-            config: &config,
-            kube_proxy_enabled: false,
-            nodes: &after,
-            now: t(60),
-        });
+        let d1 = aggregate(&AggregateInput { generation: 1, spec: &spec, config: &config, kube_proxy_enabled: false, nodes: &before, now: t(0) });
+        let d2 = aggregate(&AggregateInput { generation: 1, spec: &spec, config: &config, kube_proxy_enabled: false, nodes: &after, now: t(60) });
         let s1 = merge(None, &d1);
         let s2 = merge(Some(&s1), &d2);
-        let c = s2
-            .conditions
-            .iter()
-            .find(|c| c.type_ == CONDITION_SERVICE_ROUTING_READY)
-            .unwrap();
+        let c = s2.conditions.iter().find(|c| c.type_ == CONDITION_SERVICE_ROUTING_READY).unwrap();
         assert_eq!(c.status, ConditionStatus::True);
         assert_eq!(c.last_transition_time, Some(t(60)));
-        assert_eq!(
-            s2.last_operation.as_ref().unwrap().last_update_time,
-            Some(t(60))
-        );
-        assert_eq!(
-            s2.last_operation.as_ref().unwrap().state,
-            LastOperationState::Succeeded
-        );
+        assert_eq!(s2.last_operation.as_ref().unwrap().last_update_time, Some(t(60)));
+        assert_eq!(s2.last_operation.as_ref().unwrap().state, LastOperationState::Succeeded);
 
         // Same status, new message (another node joined not ready): transition time stays.
-        let later = [
-            node("a", Some(true)),
-            node("b", Some(false)),
-            node("c", None),
-        ];
-        let d3 = aggregate(&AggregateInput {
-            generation: 1,
-            spec: &spec,
-            config: &config,
-            kube_proxy_enabled: false,
-            nodes: &later,
-            now: t(120),
-        });
+        let later = [node("a", Some(true)), node("b", Some(false)), node("c", None)];
+        let d3 = aggregate(&AggregateInput { generation: 1, spec: &spec, config: &config, kube_proxy_enabled: false, nodes: &later, now: t(120) });
         let s3 = merge(Some(&s2), &d3);
         let fewer = [node("a", Some(true)), node("b", None)];
-        let d4 = aggregate(&AggregateInput {
-            generation: 1,
-            spec: &spec,
-            config: &config,
-            kube_proxy_enabled: false,
-            nodes: &fewer,
-            now: t(180),
-        });
+        let d4 = aggregate(&AggregateInput { generation: 1, spec: &spec, config: &config, kube_proxy_enabled: false, nodes: &fewer, now: t(180) });
         let s4 = merge(Some(&s3), &d4);
-        let c = s4
-            .conditions
-            .iter()
-            .find(|c| c.type_ == CONDITION_SERVICE_ROUTING_READY)
-            .unwrap();
+        let c = s4.conditions.iter().find(|c| c.type_ == CONDITION_SERVICE_ROUTING_READY).unwrap();
         assert_eq!(c.status, ConditionStatus::False);
         assert_eq!(c.last_transition_time, Some(t(120)));
         assert_eq!(c.last_update_time, Some(t(180)));
@@ -933,49 +675,26 @@ mod tests {
         let mut broken = node("a", Some(false));
         broken.missing = vec!["no bpf".into()];
         let fixed = [node("a", Some(true))];
-        let mk = |nodes: &[NodeReadiness]| {
-            aggregate(&AggregateInput {
-                generation: 2,
-                spec: &spec,
-                config: &config,
-                kube_proxy_enabled: false,
-                nodes,
-                now: t(0),
-            })
-        };
+        let mk =
+            |nodes: &[NodeReadiness]| aggregate(&AggregateInput { generation: 2, spec: &spec, config: &config, kube_proxy_enabled: false, nodes, now: t(0) });
         let s1 = merge(None, &mk(&[broken]));
         assert!(s1.last_error.is_some());
         let patch = status_patch(&s1, None);
-        assert_eq!(
-            patch["status"]["lastError"]["codes"][0],
-            ERR_CONFIGURATION_PROBLEM
-        );
+        assert_eq!(patch["status"]["lastError"]["codes"][0], ERR_CONFIGURATION_PROBLEM);
         assert_eq!(patch["status"]["lastOperation"]["state"], "Error");
         let s2 = merge(Some(&s1), &mk(&fixed));
         assert_eq!(s2.last_error, None);
         let patch = status_patch(&s2, Some("42"));
         assert_eq!(patch["metadata"]["resourceVersion"], "42");
         assert!(patch["status"]["lastError"].is_null());
-        assert!(patch["status"]
-            .as_object()
-            .unwrap()
-            .contains_key("lastError"));
+        assert!(patch["status"].as_object().unwrap().contains_key("lastError"));
         assert_eq!(patch["status"]["lastOperation"]["state"], "Succeeded");
         assert_eq!(patch["status"]["lastOperation"]["type"], "Reconcile");
-        assert_eq!(
-            patch["status"]["lastOperation"]["lastUpdateTime"],
-            "2023-11-14T22:13:20Z"
-        );
+        assert_eq!(patch["status"]["lastOperation"]["lastUpdateTime"], "2023-11-14T22:13:20Z");
         assert_eq!(patch["status"]["observedGeneration"], 2);
         assert_eq!(patch["status"]["ipFamilies"], json!(["IPv4"]));
-        assert_eq!(
-            patch["status"]["conditions"][0]["type"],
-            CONDITION_SERVICE_ROUTING_READY
-        );
-        assert!(
-            patch["status"].get("state").is_none(),
-            "fields gardenet does not own are not sent"
-        );
+        assert_eq!(patch["status"]["conditions"][0]["type"], CONDITION_SERVICE_ROUTING_READY);
+        assert!(patch["status"].get("state").is_none(), "fields gardenet does not own are not sent");
     }
 
     #[test]
@@ -996,25 +715,15 @@ mod tests {
 
         // A new generation is observed.
         net.metadata.generation = Some(4);
-        let patch =
-            status_update(&net, &config, false, &nodes, t(120)).expect("generation changed");
+        let patch = status_update(&net, &config, false, &nodes, t(120)).expect("generation changed");
         assert_eq!(patch["status"]["observedGeneration"], 4);
     }
 
     fn k8s_node(name: &str, unschedulable: bool, cond: Option<NodeCondition>) -> Node {
         Node {
-            metadata: kube::api::ObjectMeta {
-                name: Some(name.into()),
-                ..Default::default()
-            },
-            spec: Some(NodeSpec {
-                unschedulable: Some(unschedulable),
-                ..Default::default()
-            }),
-            status: Some(NodeStatus {
-                conditions: cond.map(|c| vec![c]),
-                ..Default::default()
-            }),
+            metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
+            spec: Some(NodeSpec { unschedulable: Some(unschedulable), ..Default::default() }),
+            status: Some(NodeStatus { conditions: cond.map(|c| vec![c]), ..Default::default() }),
         }
     }
 
@@ -1023,16 +732,7 @@ mod tests {
         let ok = CapabilityReport::default();
         let c = node_condition(true, &ok, None, &t(0));
         let r = node_readiness(&k8s_node("a", false, Some(c)), &t(10), 120);
-        assert_eq!(
-            r,
-            NodeReadiness {
-                name: "a".into(),
-                schedulable: true,
-                agent_ready: Some(true),
-                reason: None,
-                missing: vec![]
-            }
-        );
+        assert_eq!(r, NodeReadiness { name: "a".into(), schedulable: true, agent_ready: Some(true), reason: None, missing: vec![] });
 
         let c = node_condition(false, &ok, Some("waiting for Services sync"), &t(0));
         let r = node_readiness(&k8s_node("a", true, Some(c)), &t(10), 120);
@@ -1056,9 +756,6 @@ mod tests {
         let c = node_condition(true, &CapabilityReport::default(), None, &t(0));
         let r = node_readiness(&k8s_node("a", false, Some(c)), &t(121), 120);
         assert_eq!(r.agent_ready, None);
-        assert_eq!(
-            r.reason.as_deref(),
-            Some("gardenet agent stopped reporting")
-        );
+        assert_eq!(r.reason.as_deref(), Some("gardenet agent stopped reporting"));
     }
 }

@@ -19,10 +19,7 @@ pub const CAP_SYS_ADMIN: u32 = 21;
 
 /// Oldest kernel gardenet supports: the first LTS with everything the datapath uses
 /// (cgroup sock_addr hooks incl. getpeername, BTF, bpf_link for cgroups and XDP).
-pub const MIN_KERNEL: KernelVersion = KernelVersion {
-    major: 5,
-    minor: 10,
-};
+pub const MIN_KERNEL: KernelVersion = KernelVersion { major: 5, minor: 10 };
 
 /// `major.minor` of a kernel release.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -38,9 +35,7 @@ impl KernelVersion {
         let mut parts = release.trim().splitn(3, '.');
         let major = parts.next()?.parse().ok()?;
         let minor_part = parts.next()?;
-        let digits = minor_part
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(minor_part.len());
+        let digits = minor_part.find(|c: char| !c.is_ascii_digit()).unwrap_or(minor_part.len());
         let minor = minor_part[..digits].parse().ok()?;
         Some(Self { major, minor })
     }
@@ -65,11 +60,7 @@ pub struct Requirements {
 
 impl Requirements {
     pub fn new(bpffs: impl Into<PathBuf>, cgroup: Option<PathBuf>) -> Self {
-        Self {
-            bpffs: bpffs.into(),
-            cgroup,
-            min_kernel: MIN_KERNEL,
-        }
+        Self { bpffs: bpffs.into(), cgroup, min_kernel: MIN_KERNEL }
     }
 }
 
@@ -120,33 +111,21 @@ pub fn check(probe: &dyn HostProbe, req: &Requirements) -> CapabilityReport {
     match probe.kernel_release() {
         Ok(release) => match KernelVersion::parse(&release) {
             Some(v) if v >= req.min_kernel => {}
-            Some(v) => report.add(format!(
-                "kernel {v} ({release}) is too old: gardenet needs Linux >= {}",
-                req.min_kernel
-            )),
-            None => report.add(format!(
-                "kernel release {release:?} cannot be parsed: gardenet needs Linux >= {}",
-                req.min_kernel
-            )),
+            Some(v) => report.add(format!("kernel {v} ({release}) is too old: gardenet needs Linux >= {}", req.min_kernel)),
+            None => report.add(format!("kernel release {release:?} cannot be parsed: gardenet needs Linux >= {}", req.min_kernel)),
         },
         Err(e) => report.add(format!("kernel release unknown (uname failed: {e})")),
     }
 
     let caps = probe.effective_capabilities();
-    let has_cap = |bit: u32| {
-        caps.as_ref()
-            .map(|c| c & (1u64 << bit) != 0)
-            .unwrap_or(false)
-    };
+    let has_cap = |bit: u32| caps.as_ref().map(|c| c & (1u64 << bit) != 0).unwrap_or(false);
     if let Err(e) = &caps {
         report.add(format!("effective capabilities unknown: {e}"));
     }
     // Loading TC and cgroup-sock programs and attaching them needs CAP_NET_ADMIN in
     // addition to CAP_BPF; the bpf() probe below cannot see that.
     if caps.is_ok() && !has_cap(CAP_NET_ADMIN) {
-        report.add(
-            "capability NET_ADMIN is missing (needed to load and attach TC and cgroup programs)",
-        );
+        report.add("capability NET_ADMIN is missing (needed to load and attach TC and cgroup programs)");
     }
     let can_mount = has_cap(CAP_SYS_ADMIN);
 
@@ -158,10 +137,7 @@ pub fn check(probe: &dyn HostProbe, req: &Requirements) -> CapabilityReport {
              sufficient RLIMIT_MEMLOCK (capability SYS_RESOURCE)",
         ),
         Err(libc::ENOSYS) => report.add("the kernel has no bpf() syscall (CONFIG_BPF_SYSCALL is off)"),
-        Err(errno) => report.add(format!(
-            "creating a BPF map failed: {}",
-            io::Error::from_raw_os_error(errno)
-        )),
+        Err(errno) => report.add(format!("creating a BPF map failed: {}", io::Error::from_raw_os_error(errno))),
     }
 
     check_bpffs(probe, &req.bpffs, can_mount, &mut report);
@@ -187,31 +163,19 @@ fn check_bpffs(probe: &dyn HostProbe, path: &Path, can_mount: bool, report: &mut
         }
     }
     if !mountable(probe, "bpf", can_mount) {
-        report.add(format!(
-            "bpffs is not mounted at {} (nor at a parent) and cannot be mounted: {}",
-            path.display(),
-            mount_obstacle(probe, "bpf", can_mount)
-        ));
+        report.add(format!("bpffs is not mounted at {} (nor at a parent) and cannot be mounted: {}", path.display(), mount_obstacle(probe, "bpf", can_mount)));
     }
 }
 
 /// Unlike the pin path, the cgroup path must itself be a cgroup2 mount: programs attached to
 /// a sub-directory would only see that subtree's sockets.
-fn check_cgroup2(
-    probe: &dyn HostProbe,
-    path: &Path,
-    can_mount: bool,
-    report: &mut CapabilityReport,
-) {
+fn check_cgroup2(probe: &dyn HostProbe, path: &Path, can_mount: bool, report: &mut CapabilityReport) {
     match probe.fs_magic(path) {
         Ok(CGROUP2_SUPER_MAGIC) => return,
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => {
-            report.add(format!(
-                "cannot inspect cgroup2 path {}: {e}",
-                path.display()
-            ));
+            report.add(format!("cannot inspect cgroup2 path {}: {e}", path.display()));
             return;
         }
     }
@@ -254,8 +218,7 @@ impl HostProbe for LinuxHost {
 
     fn fs_magic(&self, path: &Path) -> io::Result<i64> {
         use std::os::unix::ffi::OsStrExt;
-        let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+        let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
         // SAFETY: statfs writes into a zeroed, properly sized struct; the path is NUL-terminated.
         let mut st: libc::statfs = unsafe { std::mem::zeroed() };
         if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
@@ -268,16 +231,12 @@ impl HostProbe for LinuxHost {
 
     fn effective_capabilities(&self) -> io::Result<u64> {
         let status = std::fs::read_to_string("/proc/self/status")?;
-        parse_cap_eff(&status).ok_or_else(|| {
-            io::Error::new(io::ErrorKind::InvalidData, "no CapEff in /proc/self/status")
-        })
+        parse_cap_eff(&status).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no CapEff in /proc/self/status"))
     }
 
     fn filesystem_supported(&self, fstype: &str) -> io::Result<bool> {
         let list = std::fs::read_to_string("/proc/filesystems")?;
-        Ok(list
-            .lines()
-            .any(|l| l.split_whitespace().last() == Some(fstype)))
+        Ok(list.lines().any(|l| l.split_whitespace().last() == Some(fstype)))
     }
 
     fn bpf_map_create(&self) -> Result<(), i32> {
@@ -293,26 +252,11 @@ impl HostProbe for LinuxHost {
         }
         const BPF_MAP_CREATE: libc::c_long = 0;
         const BPF_MAP_TYPE_ARRAY: u32 = 2;
-        let attr = MapCreateAttr {
-            map_type: BPF_MAP_TYPE_ARRAY,
-            key_size: 4,
-            value_size: 4,
-            max_entries: 1,
-            rest: [0; 28],
-        };
+        let attr = MapCreateAttr { map_type: BPF_MAP_TYPE_ARRAY, key_size: 4, value_size: 4, max_entries: 1, rest: [0; 28] };
         // SAFETY: the attr pointer and size describe a live, initialized struct.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_CREATE,
-                &attr as *const MapCreateAttr,
-                std::mem::size_of::<MapCreateAttr>() as libc::c_uint,
-            )
-        };
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &attr as *const MapCreateAttr, std::mem::size_of::<MapCreateAttr>() as libc::c_uint) };
         if fd < 0 {
-            return Err(io::Error::last_os_error()
-                .raw_os_error()
-                .unwrap_or(libc::EIO));
+            return Err(io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO));
         }
         // SAFETY: fd was just returned to us by the kernel and is closed exactly once.
         unsafe { libc::close(fd as libc::c_int) };
@@ -371,10 +315,7 @@ mod tests {
         }
         fn fs_magic(&self, path: &Path) -> io::Result<i64> {
             let key = path.to_str().unwrap();
-            self.mounts
-                .get(key)
-                .copied()
-                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+            self.mounts.get(key).copied().ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
         }
         fn effective_capabilities(&self) -> io::Result<u64> {
             Ok(self.caps)
@@ -388,10 +329,7 @@ mod tests {
     }
 
     fn req() -> Requirements {
-        Requirements::new(
-            "/sys/fs/bpf/gardenet",
-            Some("/run/gardenet/cgroupv2".into()),
-        )
+        Requirements::new("/sys/fs/bpf/gardenet", Some("/run/gardenet/cgroupv2".into()))
     }
 
     #[test]
@@ -402,43 +340,22 @@ mod tests {
 
     #[test]
     fn kernel_versions() {
-        assert_eq!(
-            KernelVersion::parse("5.10.0"),
-            Some(KernelVersion {
-                major: 5,
-                minor: 10
-            })
-        );
-        assert_eq!(
-            KernelVersion::parse("6.6.12+"),
-            Some(KernelVersion { major: 6, minor: 6 })
-        );
-        assert_eq!(
-            KernelVersion::parse("5.4-rc1"),
-            Some(KernelVersion { major: 5, minor: 4 })
-        );
+        assert_eq!(KernelVersion::parse("5.10.0"), Some(KernelVersion { major: 5, minor: 10 }));
+        assert_eq!(KernelVersion::parse("6.6.12+"), Some(KernelVersion { major: 6, minor: 6 }));
+        assert_eq!(KernelVersion::parse("5.4-rc1"), Some(KernelVersion { major: 5, minor: 4 }));
         assert_eq!(KernelVersion::parse("garbage"), None);
         assert!(KernelVersion::parse("5.9.1").unwrap() < MIN_KERNEL);
         assert!(KernelVersion::parse("5.10.1").unwrap() >= MIN_KERNEL);
 
-        let host = FakeHost {
-            release: "4.19.0-25-amd64",
-            ..FakeHost::good()
-        };
+        let host = FakeHost { release: "4.19.0-25-amd64", ..FakeHost::good() };
         let r = check(&host, &req());
         assert_eq!(r.missing.len(), 1, "{r:?}");
-        assert!(
-            r.missing[0].contains("too old") && r.missing[0].contains(">= 5.10"),
-            "{r:?}"
-        );
+        assert!(r.missing[0].contains("too old") && r.missing[0].contains(">= 5.10"), "{r:?}");
     }
 
     #[test]
     fn bpf_not_permitted() {
-        let host = FakeHost {
-            bpf: Err(libc::EPERM),
-            ..FakeHost::good()
-        };
+        let host = FakeHost { bpf: Err(libc::EPERM), ..FakeHost::good() };
         let r = check(&host, &req());
         assert_eq!(r.missing.len(), 1);
         assert!(r.summary().contains("bpf() is not permitted"), "{r:?}");
@@ -446,10 +363,7 @@ mod tests {
 
     #[test]
     fn missing_net_admin() {
-        let host = FakeHost {
-            caps: ALL_CAPS & !(1 << CAP_NET_ADMIN),
-            ..FakeHost::good()
-        };
+        let host = FakeHost { caps: ALL_CAPS & !(1 << CAP_NET_ADMIN), ..FakeHost::good() };
         let r = check(&host, &req());
         assert_eq!(r.missing.len(), 1);
         assert!(r.missing[0].contains("NET_ADMIN"), "{r:?}");
@@ -465,38 +379,23 @@ mod tests {
 
     #[test]
     fn unmounted_filesystems_without_sys_admin() {
-        let mut host = FakeHost {
-            caps: ALL_CAPS & !(1 << CAP_SYS_ADMIN),
-            ..FakeHost::good()
-        };
+        let mut host = FakeHost { caps: ALL_CAPS & !(1 << CAP_SYS_ADMIN), ..FakeHost::good() };
         host.mounts.insert("/sys/fs/bpf", SYSFS);
         host.mounts.insert("/run/gardenet/cgroupv2", TMPFS);
         let r = check(&host, &req());
         assert_eq!(r.missing.len(), 2, "{r:?}");
-        assert!(
-            r.missing[0].starts_with("bpffs is not mounted at /sys/fs/bpf/gardenet"),
-            "{r:?}"
-        );
+        assert!(r.missing[0].starts_with("bpffs is not mounted at /sys/fs/bpf/gardenet"), "{r:?}");
         assert!(r.missing[0].contains("SYS_ADMIN"), "{r:?}");
-        assert!(
-            r.missing[1].starts_with("cgroup2 is not mounted at /run/gardenet/cgroupv2"),
-            "{r:?}"
-        );
+        assert!(r.missing[1].starts_with("cgroup2 is not mounted at /run/gardenet/cgroupv2"), "{r:?}");
     }
 
     #[test]
     fn no_cgroup2_in_kernel() {
-        let mut host = FakeHost {
-            filesystems: &["bpf"],
-            ..FakeHost::good()
-        };
+        let mut host = FakeHost { filesystems: &["bpf"], ..FakeHost::good() };
         host.mounts.remove("/run/gardenet/cgroupv2");
         let r = check(&host, &req());
         assert_eq!(r.missing.len(), 1, "{r:?}");
-        assert!(
-            r.missing[0].contains("does not support filesystem type cgroup2"),
-            "{r:?}"
-        );
+        assert!(r.missing[0].contains("does not support filesystem type cgroup2"), "{r:?}");
         // Without socket LB the cgroup does not matter.
         let no_sock = Requirements::new("/sys/fs/bpf/gardenet", None);
         assert!(check(&host, &no_sock).is_capable());
@@ -504,10 +403,7 @@ mod tests {
 
     #[test]
     fn cgroup_subdirectory_is_not_enough() {
-        let mut host = FakeHost {
-            caps: ALL_CAPS & !(1 << CAP_SYS_ADMIN),
-            ..FakeHost::good()
-        };
+        let mut host = FakeHost { caps: ALL_CAPS & !(1 << CAP_SYS_ADMIN), ..FakeHost::good() };
         host.mounts.remove("/run/gardenet/cgroupv2");
         host.mounts.insert("/run/gardenet", CGROUP2_SUPER_MAGIC);
         let r = check(&host, &req());
@@ -536,12 +432,7 @@ mod tests {
         assert!(KernelVersion::parse(&host.kernel_release().unwrap()).is_some());
         assert!(host.effective_capabilities().is_ok());
         assert!(host.filesystem_supported("proc").unwrap());
-        assert_eq!(
-            host.fs_magic(Path::new("/definitely/not/here"))
-                .unwrap_err()
-                .kind(),
-            io::ErrorKind::NotFound
-        );
+        assert_eq!(host.fs_magic(Path::new("/definitely/not/here")).unwrap_err().kind(), io::ErrorKind::NotFound);
         // May be Ok or an errno depending on privileges; only the call itself is tested.
         let _ = host.bpf_map_create();
         let _ = check(&host, &req());

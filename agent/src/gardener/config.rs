@@ -64,20 +64,13 @@ impl std::error::Error for ConfigError {}
 
 impl ConfigError {
     fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            message: message.into(),
-        }
+        Self { field: field.into(), message: message.into() }
     }
 
     /// Prefixes the field path, e.g. with `spec.providerConfig` when the config came from a
     /// Network, so the message points at the right place in the object the user edits.
     fn within(mut self, parent: &str) -> Self {
-        self.field = if self.field.is_empty() {
-            parent.to_owned()
-        } else {
-            format!("{parent}.{}", self.field)
-        };
+        self.field = if self.field.is_empty() { parent.to_owned() } else { format!("{parent}.{}", self.field) };
         self
     }
 
@@ -218,18 +211,14 @@ pub struct Interfaces {
 
 impl Default for Interfaces {
     fn default() -> Self {
-        Self {
-            include: default_include(),
-            exclude: default_exclude(),
-        }
+        Self { include: default_include(), exclude: default_exclude() }
     }
 }
 
 impl Interfaces {
     /// Whether programs should be attached to interface `name`.
     pub fn selects(&self, name: &str) -> bool {
-        self.include.iter().any(|p| p.is_match(name))
-            && !self.exclude.iter().any(|p| p.is_match(name))
+        self.include.iter().any(|p| p.is_match(name)) && !self.exclude.iter().any(|p| p.is_match(name))
     }
 }
 
@@ -239,10 +228,7 @@ impl Interfaces {
 pub const DEFAULT_DATA_INTERFACES: &str = "^((en|wl|ww|sl|ib)[opsx].*|(eth|wlan|wwan).*)$";
 
 fn default_include() -> Vec<Pattern> {
-    [DEFAULT_DATA_INTERFACES, "^bond"]
-        .into_iter()
-        .map(Pattern::builtin)
-        .collect()
+    [DEFAULT_DATA_INTERFACES, "^bond"].into_iter().map(Pattern::builtin).collect()
 }
 
 fn default_exclude() -> Vec<Pattern> {
@@ -288,8 +274,7 @@ impl Serialize for Pattern {
 impl<'de> Deserialize<'de> for Pattern {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let source = String::deserialize(d)?;
-        Pattern::new(&source)
-            .map_err(|e| de::Error::custom(format!("invalid regular expression {source:?}: {e}")))
+        Pattern::new(&source).map_err(|e| de::Error::custom(format!("invalid regular expression {source:?}: {e}")))
     }
 }
 
@@ -311,10 +296,7 @@ pub struct SocketLb {
 
 impl Default for SocketLb {
     fn default() -> Self {
-        Self {
-            enabled: true,
-            host_namespace_only: false,
-        }
+        Self { enabled: true, host_namespace_only: false }
     }
 }
 
@@ -389,9 +371,7 @@ pub struct SessionAffinity {
 
 impl Default for SessionAffinity {
     fn default() -> Self {
-        Self {
-            default_timeout_seconds: default_affinity_timeout(),
-        }
+        Self { default_timeout_seconds: default_affinity_timeout() }
     }
 }
 
@@ -420,12 +400,7 @@ pub struct MapSizes {
 
 impl Default for MapSizes {
     fn default() -> Self {
-        Self {
-            services: default_services(),
-            backends: default_backends(),
-            sock_rev_nat: default_sock_rev_nat(),
-            conntrack: default_conntrack(),
-        }
+        Self { services: default_services(), backends: default_backends(), sock_rev_nat: default_sock_rev_nat(), conntrack: default_conntrack() }
     }
 }
 
@@ -535,10 +510,7 @@ impl LocalRedirectRule {
         check_service_name(&self.service).map_err(|m| ConfigError::new("service", m))?;
         let a = self.address;
         if a.is_unspecified() || a.is_loopback() || a.is_multicast() {
-            return Err(ConfigError::new(
-                "address",
-                format!("is {a}, expected a unicast address of the node (a loopback address would be each pod's own)"),
-            ));
+            return Err(ConfigError::new("address", format!("is {a}, expected a unicast address of the node (a loopback address would be each pod's own)")));
         }
         Ok(())
     }
@@ -549,10 +521,7 @@ impl FromStr for LocalRedirectRule {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let (service, address) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAMESPACE/NAME=ADDRESS"))?;
-        let rule = LocalRedirectRule {
-            service: service.to_owned(),
-            address: address.parse().map_err(|_| format!("{s:?}: {address:?} is not an IP address"))?,
-        };
+        let rule = LocalRedirectRule { service: service.to_owned(), address: address.parse().map_err(|_| format!("{s:?}: {address:?} is not an IP address"))? };
         rule.check().map_err(|e| format!("{s:?}: {} {}", e.field, e.message))?;
         Ok(rule)
     }
@@ -592,11 +561,7 @@ pub struct NodeLocalDns {
 
 impl Default for NodeLocalDns {
     fn default() -> Self {
-        Self {
-            enabled: false,
-            address: default_node_local_dns_address(),
-            service: default_node_local_dns_service(),
-        }
+        Self { enabled: false, address: default_node_local_dns_address(), service: default_node_local_dns_service() }
     }
 }
 
@@ -615,10 +580,7 @@ impl NetworkConfig {
     /// Parses and validates a NetworkConfig document (a file, or a ConfigMap value).
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
         if text.trim().is_empty() {
-            return Err(ConfigError::new(
-                "",
-                "empty document; expected a NetworkConfig",
-            ));
+            return Err(ConfigError::new("", "empty document; expected a NetworkConfig"));
         }
         let de = serde_yaml::Deserializer::from_str(text);
         let cfg: Self = serde_path_to_error::deserialize(de).map_err(ConfigError::from_path)?;
@@ -637,51 +599,26 @@ impl NetworkConfig {
     /// defaults when it has none. Errors name fields as `spec.providerConfig.<field>`.
     pub fn from_network(network: &Network) -> Result<Self, ConfigError> {
         if network.spec.type_ != NETWORK_TYPE {
-            return Err(ConfigError::new(
-                "spec.type",
-                format!(
-                    "is {:?}, but gardenet handles {NETWORK_TYPE:?}",
-                    network.spec.type_
-                ),
-            ));
+            return Err(ConfigError::new("spec.type", format!("is {:?}, but gardenet handles {NETWORK_TYPE:?}", network.spec.type_)));
         }
         match &network.spec.provider_config {
             None | Some(serde_json::Value::Null) => Ok(Self::default()),
-            Some(value) => {
-                Self::from_json_value(value).map_err(|e| e.within("spec.providerConfig"))
-            }
+            Some(value) => Self::from_json_value(value).map_err(|e| e.within("spec.providerConfig")),
         }
     }
 
     /// Checks what the types alone cannot: type meta and value ranges.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.api_version != PROVIDER_API_VERSION {
-            return Err(ConfigError::new(
-                "apiVersion",
-                format!(
-                    "is {:?}, expected {PROVIDER_API_VERSION:?}",
-                    self.api_version
-                ),
-            ));
+            return Err(ConfigError::new("apiVersion", format!("is {:?}, expected {PROVIDER_API_VERSION:?}", self.api_version)));
         }
         if self.kind != KIND {
-            return Err(ConfigError::new(
-                "kind",
-                format!("is {:?}, expected {KIND:?}", self.kind),
-            ));
+            return Err(ConfigError::new("kind", format!("is {:?}, expected {KIND:?}", self.kind)));
         }
         let m = &self.map_sizes;
-        for (name, size) in [
-            ("services", m.services),
-            ("backends", m.backends),
-            ("sockRevNat", m.sock_rev_nat),
-            ("conntrack", m.conntrack),
-        ] {
+        for (name, size) in [("services", m.services), ("backends", m.backends), ("sockRevNat", m.sock_rev_nat), ("conntrack", m.conntrack)] {
             if size == 0 || size > MAX_MAP_ENTRIES {
-                return Err(ConfigError::new(
-                    format!("mapSizes.{name}"),
-                    format!("is {size}, must be between 1 and {MAX_MAP_ENTRIES}"),
-                ));
+                return Err(ConfigError::new(format!("mapSizes.{name}"), format!("is {size}, must be between 1 and {MAX_MAP_ENTRIES}")));
             }
         }
         if let Some(api) = &self.api_server {
@@ -695,25 +632,16 @@ impl NetworkConfig {
         }
         let t = self.session_affinity.default_timeout_seconds;
         if t == 0 || t > MAX_AFFINITY_TIMEOUT_SECONDS {
-            return Err(ConfigError::new(
-                "sessionAffinity.defaultTimeoutSeconds",
-                format!("is {t}, must be between 1 and {MAX_AFFINITY_TIMEOUT_SECONDS}"),
-            ));
+            return Err(ConfigError::new("sessionAffinity.defaultTimeoutSeconds", format!("is {t}, must be between 1 and {MAX_AFFINITY_TIMEOUT_SECONDS}")));
         }
         if self.node_port_addresses.is_empty() {
-            return Err(ConfigError::new(
-                "nodePortAddresses",
-                "is empty; list \"primary\" or CIDRs (\"0.0.0.0/0\" and \"::/0\" for every node address)",
-            ));
+            return Err(ConfigError::new("nodePortAddresses", "is empty; list \"primary\" or CIDRs (\"0.0.0.0/0\" and \"::/0\" for every node address)"));
         }
         let mut seen: Vec<&LocalRedirectRule> = Vec::new();
         for (i, r) in self.local_redirects.iter().enumerate() {
             r.check().map_err(|e| e.within(&format!("localRedirects[{i}]")))?;
             if let Some(o) = seen.iter().find(|o| o.service == r.service) {
-                return Err(ConfigError::new(
-                    format!("localRedirects[{i}].service"),
-                    format!("{} is already redirected to {}", r.service, o.address),
-                ));
+                return Err(ConfigError::new(format!("localRedirects[{i}].service"), format!("{} is already redirected to {}", r.service, o.address)));
             }
             seen.push(r);
         }
@@ -722,10 +650,7 @@ impl NetworkConfig {
         dns_rule.check().map_err(|e| e.within("nodeLocalDNS"))?;
         if dns.enabled {
             if let Some(o) = seen.iter().find(|o| o.service == dns.service && o.address != dns.address) {
-                return Err(ConfigError::new(
-                    "nodeLocalDNS.address",
-                    format!("is {}, but localRedirects sends {} to {}", dns.address, o.service, o.address),
-                ));
+                return Err(ConfigError::new("nodeLocalDNS.address", format!("is {}, but localRedirects sends {} to {}", dns.address, o.service, o.address)));
             }
         }
         Ok(())
@@ -807,23 +732,11 @@ nodeLocalDNS:
         assert!(c.socket_lb.enabled && c.socket_lb.host_namespace_only);
         assert_eq!(c.xdp.mode, XdpMode::Native);
         assert_eq!(c.session_affinity.default_timeout_seconds, 600);
-        assert_eq!(
-            c.map_sizes,
-            MapSizes {
-                services: 1024,
-                backends: 2048,
-                sock_rev_nat: 4096,
-                conntrack: 8192
-            }
-        );
+        assert_eq!(c.map_sizes, MapSizes { services: 1024, backends: 2048, sock_rev_nat: 4096, conntrack: 8192 });
         assert!(!c.external_ips.enabled);
         assert_eq!(
             c.node_port_addresses,
-            [
-                NodePortAddress::Primary,
-                NodePortAddress::Cidr("10.250.0.0/16".parse().unwrap()),
-                NodePortAddress::Cidr("2001:db8::/64".parse().unwrap()),
-            ]
+            [NodePortAddress::Primary, NodePortAddress::Cidr("10.250.0.0/16".parse().unwrap()), NodePortAddress::Cidr("2001:db8::/64".parse().unwrap()),]
         );
         // nodeLocalDNS names the same rule as localRedirects[0]: in effect once.
         let rules: Vec<String> = c.local_redirect_rules().iter().map(|r| format!("{}={}", r.service, r.address)).collect();
@@ -948,11 +861,7 @@ nodeLocalDNS:
 
     #[test]
     fn partial_block_defaults_the_rest() {
-        let c = NetworkConfig::from_yaml_str(&format!(
-            "{}socketLB:\n  hostNamespaceOnly: true\n",
-            header()
-        ))
-        .unwrap();
+        let c = NetworkConfig::from_yaml_str(&format!("{}socketLB:\n  hostNamespaceOnly: true\n", header())).unwrap();
         assert!(c.socket_lb.enabled);
         assert!(c.socket_lb.host_namespace_only);
     }
@@ -963,14 +872,7 @@ nodeLocalDNS:
         for name in ["eth0", "ens5", "enp0s3", "eno1", "bond0"] {
             assert!(i.selects(name), "{name} should be selected");
         }
-        for name in [
-            "enP12345s1",
-            "lo",
-            "veth1234",
-            "cali123",
-            "docker0",
-            "tunl0",
-        ] {
+        for name in ["enP12345s1", "lo", "veth1234", "cali123", "docker0", "tunl0"] {
             assert!(!i.selects(name), "{name} should not be selected");
         }
     }
@@ -1016,24 +918,15 @@ nodeLocalDNS:
 
     #[test]
     fn invalid_regex_names_the_element() {
-        let e = err(&format!(
-            "{}interfaces:\n  exclude: [\"^ok\", \"(unclosed\"]\n",
-            header()
-        ));
+        let e = err(&format!("{}interfaces:\n  exclude: [\"^ok\", \"(unclosed\"]\n", header()));
         assert_eq!(e.field, "interfaces.exclude[1]");
         assert!(e.message.contains("invalid regular expression"), "{e}");
     }
 
     #[test]
     fn xdp_mode_values() {
-        for (text, mode) in [
-            ("off", XdpMode::Off),
-            ("generic", XdpMode::Generic),
-            ("native", XdpMode::Native),
-            ("auto", XdpMode::Auto),
-        ] {
-            let c = NetworkConfig::from_yaml_str(&format!("{}xdp:\n  mode: {text}\n", header()))
-                .unwrap();
+        for (text, mode) in [("off", XdpMode::Off), ("generic", XdpMode::Generic), ("native", XdpMode::Native), ("auto", XdpMode::Auto)] {
+            let c = NetworkConfig::from_yaml_str(&format!("{}xdp:\n  mode: {text}\n", header())).unwrap();
             assert_eq!(c.xdp.mode, mode);
         }
         let e = err(&format!("{}xdp:\n  mode: turbo\n", header()));
@@ -1041,36 +934,20 @@ nodeLocalDNS:
         assert!(e.message.contains("turbo"), "{e}");
         // YAML 1.1 `off` as produced by kubectl.
         let v = serde_json::json!({"apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig", "xdp": {"mode": false}});
-        assert_eq!(
-            NetworkConfig::from_json_value(&v).unwrap().xdp.mode,
-            XdpMode::Off
-        );
+        assert_eq!(NetworkConfig::from_json_value(&v).unwrap().xdp.mode, XdpMode::Off);
         let v = serde_json::json!({"apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig", "xdp": {"mode": true}});
-        assert_eq!(
-            NetworkConfig::from_json_value(&v).unwrap_err().field,
-            "xdp.mode"
-        );
+        assert_eq!(NetworkConfig::from_json_value(&v).unwrap_err().field, "xdp.mode");
     }
 
     #[test]
     fn range_checks_name_the_field() {
         let e = err(&format!("{}mapSizes:\n  conntrack: 0\n", header()));
         assert_eq!(e.field, "mapSizes.conntrack");
-        let e = err(&format!(
-            "{}mapSizes:\n  backends: {}\n",
-            header(),
-            MAX_MAP_ENTRIES + 1
-        ));
+        let e = err(&format!("{}mapSizes:\n  backends: {}\n", header(), MAX_MAP_ENTRIES + 1));
         assert_eq!(e.field, "mapSizes.backends");
-        let e = err(&format!(
-            "{}sessionAffinity:\n  defaultTimeoutSeconds: 0\n",
-            header()
-        ));
+        let e = err(&format!("{}sessionAffinity:\n  defaultTimeoutSeconds: 0\n", header()));
         assert_eq!(e.field, "sessionAffinity.defaultTimeoutSeconds");
-        let e = err(&format!(
-            "{}sessionAffinity:\n  defaultTimeoutSeconds: 86401\n",
-            header()
-        ));
+        let e = err(&format!("{}sessionAffinity:\n  defaultTimeoutSeconds: 86401\n", header()));
         assert_eq!(e.field, "sessionAffinity.defaultTimeoutSeconds");
     }
 
@@ -1090,9 +967,7 @@ nodeLocalDNS:
         assert!(e.message.contains("apiVersion"), "{e}");
         let e = err("apiVersion: calico.networking.extensions.gardener.cloud/v1alpha1\nkind: NetworkConfig\n");
         assert_eq!(e.field, "apiVersion");
-        let e = err(&format!(
-            "apiVersion: {PROVIDER_API_VERSION}\nkind: NetworkStatus\n"
-        ));
+        let e = err(&format!("apiVersion: {PROVIDER_API_VERSION}\nkind: NetworkStatus\n"));
         assert_eq!(e.field, "kind");
         let e = err("   \n");
         assert_eq!(e.field, "");
@@ -1103,22 +978,13 @@ nodeLocalDNS:
     fn network(type_: &str, provider_config: Option<serde_json::Value>) -> Network {
         Network::new(
             "shoot",
-            NetworkSpec {
-                type_: type_.into(),
-                provider_config,
-                pod_cidr: "100.96.0.0/11".into(),
-                service_cidr: "100.64.0.0/13".into(),
-                ..Default::default()
-            },
+            NetworkSpec { type_: type_.into(), provider_config, pod_cidr: "100.96.0.0/11".into(), service_cidr: "100.64.0.0/13".into(), ..Default::default() },
         )
     }
 
     #[test]
     fn from_network() {
-        assert_eq!(
-            NetworkConfig::from_network(&network("gardenet", None)).unwrap(),
-            NetworkConfig::default()
-        );
+        assert_eq!(NetworkConfig::from_network(&network("gardenet", None)).unwrap(), NetworkConfig::default());
 
         let pc = serde_json::json!({
             "apiVersion": PROVIDER_API_VERSION, "kind": "NetworkConfig",

@@ -306,10 +306,7 @@ status:
         assert_eq!(Network::version(&()), VERSION);
         assert_eq!(Network::kind(&()), KIND);
         assert_eq!(Network::plural(&()), PLURAL);
-        assert_eq!(
-            Network::api_version(&()),
-            "extensions.gardener.cloud/v1alpha1"
-        );
+        assert_eq!(Network::api_version(&()), "extensions.gardener.cloud/v1alpha1");
     }
 
     #[test]
@@ -339,20 +336,14 @@ status:
         assert_eq!(json["conditions"][0]["futureField"]["x"], 1);
         assert_eq!(json["ipFamilies"][1], "IPv7");
         assert_eq!(json["state"]["opaque"], true);
-        assert_eq!(
-            json["lastOperation"]["lastUpdateTime"],
-            "2024-05-01T10:00:00Z"
-        );
+        assert_eq!(json["lastOperation"]["lastUpdateTime"], "2024-05-01T10:00:00Z");
         let back: NetworkStatus = serde_json::from_value(json).unwrap();
         assert_eq!(back, st);
     }
 
     #[test]
     fn empty_ip_families_default_to_ipv4() {
-        let spec = NetworkSpec {
-            type_: "gardenet".into(),
-            ..Default::default()
-        };
+        let spec = NetworkSpec { type_: "gardenet".into(), ..Default::default() };
         assert_eq!(spec.effective_ip_families(), vec![IpFamily::IPv4]);
     }
 }

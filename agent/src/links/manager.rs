@@ -41,10 +41,7 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Self {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(60),
-        }
+        Self { initial: Duration::from_secs(1), max: Duration::from_secs(60) }
     }
 }
 
@@ -92,12 +89,7 @@ pub struct LinkManager<A> {
 
 impl<A: Attacher> LinkManager<A> {
     pub fn new(selector: Selector, attacher: A) -> Self {
-        Self {
-            selector,
-            attacher,
-            backoff: Backoff::default(),
-            links: BTreeMap::new(),
-        }
+        Self { selector, attacher, backoff: Backoff::default(), links: BTreeMap::new() }
     }
 
     pub fn with_backoff(mut self, backoff: Backoff) -> Self {
@@ -121,12 +113,7 @@ impl<A: Attacher> LinkManager<A> {
     /// others added or updated and reconciled.
     pub fn sync(&mut self, links: Vec<LinkInfo>, now: Instant) {
         let present: std::collections::BTreeSet<u32> = links.iter().map(|l| l.index).collect();
-        let gone: Vec<u32> = self
-            .links
-            .keys()
-            .filter(|i| !present.contains(i))
-            .copied()
-            .collect();
+        let gone: Vec<u32> = self.links.keys().filter(|i| !present.contains(i)).copied().collect();
         for index in gone {
             self.remove(index);
         }
@@ -205,17 +192,7 @@ impl<A: Attacher> LinkManager<A> {
                 t.decision = decision;
             }
             None => {
-                self.links.insert(
-                    index,
-                    Tracked {
-                        info,
-                        decision,
-                        hooks: None,
-                        error: None,
-                        failures: 0,
-                        retry_at: None,
-                    },
-                );
+                self.links.insert(index, Tracked { info, decision, hooks: None, error: None, failures: 0, retry_at: None });
             }
         }
         // Something about the link changed, which may be what a failed attempt was waiting
@@ -235,12 +212,7 @@ impl<A: Attacher> LinkManager<A> {
     }
 
     fn retry_due(&mut self, now: Instant) {
-        let due: Vec<u32> = self
-            .links
-            .iter()
-            .filter(|(_, t)| t.retry_at.is_some_and(|at| at <= now))
-            .map(|(i, _)| *i)
-            .collect();
+        let due: Vec<u32> = self.links.iter().filter(|(_, t)| t.retry_at.is_some_and(|at| at <= now)).map(|(i, _)| *i).collect();
         for index in due {
             self.reconcile(index, now, false);
         }
@@ -346,10 +318,7 @@ mod tests {
         let now = Instant::now();
         m.sync(
             vec![
-                LinkInfo {
-                    is_loopback: true,
-                    ..LinkInfo::named(1, "lo")
-                },
+                LinkInfo { is_loopback: true, ..LinkInfo::named(1, "lo") },
                 LinkInfo::named(2, "eth0"),
                 LinkInfo::named(3, "enP30832s1"),
                 LinkInfo::named(4, "docker0"),
@@ -363,16 +332,7 @@ mod tests {
         assert_eq!(status(&m, 3).reason, "excluded by pattern ^enP");
         assert!(status(&m, 3).hooks.is_empty());
         // The same dump again changes nothing.
-        m.sync(
-            vec![
-                LinkInfo {
-                    is_loopback: true,
-                    ..LinkInfo::named(1, "lo")
-                },
-                LinkInfo::named(2, "eth0"),
-            ],
-            now,
-        );
+        m.sync(vec![LinkInfo { is_loopback: true, ..LinkInfo::named(1, "lo") }, LinkInfo::named(2, "eth0")], now);
         assert!(take(&mut m).is_empty());
         assert_eq!(m.snapshot().len(), 2);
     }
@@ -402,10 +362,7 @@ mod tests {
         let now = Instant::now();
         m.handle(LinkEvent::Added(LinkInfo::named(6, "eth2")), now);
         take(&mut m);
-        let port = LinkInfo {
-            master: Some((7, "br0".into())),
-            ..LinkInfo::named(6, "eth2")
-        };
+        let port = LinkInfo { master: Some((7, "br0".into())), ..LinkInfo::named(6, "eth2") };
         m.handle(LinkEvent::Changed(port), now);
         assert_eq!(take(&mut m), vec![Call::Detach(6, "eth2".into())]);
         assert_eq!(status(&m, 6).reason, "enslaved to br0");
@@ -418,28 +375,10 @@ mod tests {
         m.handle(LinkEvent::Added(LinkInfo::named(8, "eth3")), now);
         m.handle(LinkEvent::Added(LinkInfo::named(9, "vethx")), now);
         take(&mut m);
-        m.handle(
-            LinkEvent::Removed {
-                index: 8,
-                name: "eth3".into(),
-            },
-            now,
-        );
-        m.handle(
-            LinkEvent::Removed {
-                index: 9,
-                name: "vethx".into(),
-            },
-            now,
-        );
+        m.handle(LinkEvent::Removed { index: 8, name: "eth3".into() }, now);
+        m.handle(LinkEvent::Removed { index: 9, name: "vethx".into() }, now);
         // Unknown index: ignored.
-        m.handle(
-            LinkEvent::Removed {
-                index: 99,
-                name: "ghost".into(),
-            },
-            now,
-        );
+        m.handle(LinkEvent::Removed { index: 99, name: "ghost".into() }, now);
         assert_eq!(take(&mut m), vec![Call::Forget(8, "eth3".into())]);
         assert!(m.snapshot().is_empty());
         // Nothing left to retry.
@@ -449,10 +388,7 @@ mod tests {
 
     #[test]
     fn failed_attach_is_retried_with_backoff() {
-        let mut m = manager().with_backoff(Backoff {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(4),
-        });
+        let mut m = manager().with_backoff(Backoff { initial: Duration::from_secs(1), max: Duration::from_secs(4) });
         let t0 = Instant::now();
         m.attacher_mut().fail_attach = true;
         m.handle(LinkEvent::Added(LinkInfo::named(2, "eth0")), t0);
@@ -464,10 +400,7 @@ mod tests {
 
         // Before the backoff: neither a tick nor an unrelated event retries.
         m.tick(t0 + Duration::from_millis(500));
-        m.handle(
-            LinkEvent::Added(LinkInfo::named(3, "docker0")),
-            t0 + Duration::from_millis(600),
-        );
+        m.handle(LinkEvent::Added(LinkInfo::named(3, "docker0")), t0 + Duration::from_millis(600));
         assert!(take(&mut m).is_empty());
 
         // Due: retried, fails again, next delay doubles (1s, 2s, 4s, 4s).
@@ -482,10 +415,7 @@ mod tests {
 
         // A change to the link itself retries at once and, succeeding, clears the error.
         m.attacher_mut().fail_attach = false;
-        let down = LinkInfo {
-            oper_up: false,
-            ..LinkInfo::named(2, "eth0")
-        };
+        let down = LinkInfo { oper_up: false, ..LinkInfo::named(2, "eth0") };
         m.handle(LinkEvent::Changed(down), t0 + Duration::from_secs(8));
         assert_eq!(take(&mut m), vec![Call::Attach(2, "eth0".into())]);
         let s = status(&m, 2);
@@ -509,30 +439,18 @@ mod tests {
     fn selector_change_re_decides_everything() {
         let mut m = manager();
         let now = Instant::now();
-        m.sync(
-            vec![LinkInfo::named(2, "eth0"), LinkInfo::named(3, "docker0")],
-            now,
-        );
+        m.sync(vec![LinkInfo::named(2, "eth0"), LinkInfo::named(3, "docker0")], now);
         take(&mut m);
         let sel = Selector::new(vec![Pattern::new("^docker").unwrap()], vec![], vec![]);
         m.set_selector(sel, now);
         let mut calls = take(&mut m);
         calls.sort_by_key(|c| format!("{c:?}"));
-        assert_eq!(
-            calls,
-            vec![
-                Call::Attach(3, "docker0".into()),
-                Call::Detach(2, "eth0".into())
-            ]
-        );
+        assert_eq!(calls, vec![Call::Attach(3, "docker0".into()), Call::Detach(2, "eth0".into())]);
     }
 
     #[test]
     fn backoff_caps() {
-        let b = Backoff {
-            initial: Duration::from_millis(500),
-            max: Duration::from_secs(30),
-        };
+        let b = Backoff { initial: Duration::from_millis(500), max: Duration::from_secs(30) };
         assert_eq!(b.delay(1), Duration::from_millis(500));
         assert_eq!(b.delay(2), Duration::from_secs(1));
         assert_eq!(b.delay(100), Duration::from_secs(30));

@@ -68,11 +68,7 @@ impl InterfaceArgs {
                 flag.clone()
             }
         };
-        Selector::new(
-            pick(&self.include, &config.include),
-            pick(&self.exclude, &config.exclude),
-            self.force.clone(),
-        )
+        Selector::new(pick(&self.include, &config.include), pick(&self.exclude, &config.exclude), self.force.clone())
     }
 }
 
@@ -102,17 +98,9 @@ pub async fn explain(selector: &Selector, opts: &WatchOptions) -> anyhow::Result
 /// A table for humans: one line per link.
 pub fn render_table(links: &[LinkStatus]) -> String {
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "{:<5} {:<16} {:<8} {:<5} {:<6} {:<22} REASON",
-        "INDEX", "NAME", "KIND", "STATE", "ATTACH", "HOOKS"
-    );
+    let _ = writeln!(out, "{:<5} {:<16} {:<8} {:<5} {:<6} {:<22} REASON", "INDEX", "NAME", "KIND", "STATE", "ATTACH", "HOOKS");
     for l in links {
-        let hooks = if l.hooks.is_empty() {
-            "-".to_owned()
-        } else {
-            l.hooks.join(",")
-        };
+        let hooks = if l.hooks.is_empty() { "-".to_owned() } else { l.hooks.join(",") };
         let _ = write!(
             out,
             "{:<5} {:<16} {:<8} {:<5} {:<6} {:<22} {}",
@@ -145,16 +133,7 @@ mod tests {
 
     #[test]
     fn flags_replace_config_lists_and_force_adds_names() {
-        let cli = Cli::try_parse_from([
-            "x",
-            "--interface-include",
-            "^wl",
-            "--interface-include",
-            "^eth",
-            "--interface-force",
-            "enP1s2,vethabc",
-        ])
-        .unwrap();
+        let cli = Cli::try_parse_from(["x", "--interface-include", "^wl", "--interface-include", "^eth", "--interface-force", "enP1s2,vethabc"]).unwrap();
         let sel = cli.interfaces.selector(&Interfaces::default());
         let inc: Vec<&str> = sel.include().iter().map(|p| p.as_str()).collect();
         assert_eq!(inc, ["^wl", "^eth"]);
@@ -166,9 +145,7 @@ mod tests {
 
     #[test]
     fn invalid_regex_flag_is_rejected() {
-        let e = Cli::try_parse_from(["x", "--interface-exclude", "(oops"])
-            .err()
-            .unwrap();
+        let e = Cli::try_parse_from(["x", "--interface-exclude", "(oops"]).err().unwrap();
         assert!(e.to_string().contains("invalid regular expression"), "{e}");
     }
 
@@ -186,9 +163,6 @@ mod tests {
             error: Some("attach failed: EBUSY".into()),
         }]);
         assert!(t.contains("eth0"), "{t}");
-        assert!(
-            t.contains("included by pattern ^eth [error: attach failed: EBUSY]"),
-            "{t}"
-        );
+        assert!(t.contains("included by pattern ^eth [error: attach failed: EBUSY]"), "{t}");
     }
 }

@@ -53,26 +53,12 @@ impl LinkInfo {
     /// A link with just a name and an index, up, everything else unset (for tests and
     /// callers that build links by hand).
     pub fn named(index: u32, name: &str) -> Self {
-        Self {
-            index,
-            name: name.to_owned(),
-            kind: None,
-            master: None,
-            is_loopback: false,
-            oper_up: true,
-            is_vf: false,
-            driver: None,
-        }
+        Self { index, name: name.to_owned(), kind: None, master: None, is_loopback: false, oper_up: true, is_vf: false, driver: None }
     }
 
     /// Whether this looks like an SR-IOV VF: by sysfs, or by a VF driver under a master.
     pub fn is_vf_like(&self) -> bool {
-        self.is_vf
-            || (self.master.is_some()
-                && self
-                    .driver
-                    .as_deref()
-                    .is_some_and(|d| VF_DRIVERS.contains(&d)))
+        self.is_vf || (self.master.is_some() && self.driver.as_deref().is_some_and(|d| VF_DRIVERS.contains(&d)))
     }
 }
 
@@ -85,17 +71,11 @@ pub struct Decision {
 
 impl Decision {
     fn attach(reason: impl Into<String>) -> Self {
-        Self {
-            attach: true,
-            reason: reason.into(),
-        }
+        Self { attach: true, reason: reason.into() }
     }
 
     fn skip(reason: impl Into<String>) -> Self {
-        Self {
-            attach: false,
-            reason: reason.into(),
-        }
+        Self { attach: false, reason: reason.into() }
     }
 }
 
@@ -116,20 +96,12 @@ impl Default for Selector {
 
 impl Selector {
     pub fn new(include: Vec<Pattern>, exclude: Vec<Pattern>, force: Vec<String>) -> Self {
-        Self {
-            include,
-            exclude,
-            force,
-        }
+        Self { include, exclude, force }
     }
 
     /// From the NetworkConfig's `interfaces` block plus the `--interface-force` names.
     pub fn from_config(interfaces: &Interfaces, force: Vec<String>) -> Self {
-        Self::new(
-            interfaces.include.clone(),
-            interfaces.exclude.clone(),
-            force,
-        )
+        Self::new(interfaces.include.clone(), interfaces.exclude.clone(), force)
     }
 
     pub fn include(&self) -> &[Pattern] {
@@ -165,10 +137,7 @@ impl Selector {
             unforced
         };
         if decision.attach && !link.oper_up {
-            return Decision::attach(format!(
-                "{}; down, attached anyway (programs run once it is up)",
-                decision.reason
-            ));
+            return Decision::attach(format!("{}; down, attached anyway (programs run once it is up)", decision.reason));
         }
         decision
     }
@@ -214,10 +183,7 @@ mod tests {
     }
 
     fn enslaved(index: u32, name: &str, master: &str) -> LinkInfo {
-        LinkInfo {
-            master: Some((1, master.to_owned())),
-            ..LinkInfo::named(index, name)
-        }
+        LinkInfo { master: Some((1, master.to_owned())), ..LinkInfo::named(index, name) }
     }
 
     #[test]
@@ -227,32 +193,20 @@ mod tests {
         let want: Vec<&str> = defaults.include.iter().map(|p| p.as_str()).collect();
         let got: Vec<&str> = sel.include().iter().map(|p| p.as_str()).collect();
         assert_eq!(got, want);
-        assert_eq!(
-            sel.exclude().iter().map(|p| p.as_str()).collect::<Vec<_>>(),
-            ["^enP"]
-        );
+        assert_eq!(sel.exclude().iter().map(|p| p.as_str()).collect::<Vec<_>>(), ["^enP"]);
     }
 
     #[test]
     fn uplinks_are_included_by_pattern() {
         let sel = Selector::default();
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(2, "eth1")),
-            (true, format!("included by pattern {ISSUE_INCLUDE}"))
-        );
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(3, "ens5")),
-            (true, format!("included by pattern {ISSUE_INCLUDE}"))
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(2, "eth1")), (true, format!("included by pattern {ISSUE_INCLUDE}")));
+        assert_eq!(decide(&sel, &LinkInfo::named(3, "ens5")), (true, format!("included by pattern {ISSUE_INCLUDE}")));
     }
 
     #[test]
     fn azure_vf_names_are_excluded() {
         let sel = Selector::default();
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(4, "enP30832s1")),
-            (false, "excluded by pattern ^enP".into())
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(4, "enP30832s1")), (false, "excluded by pattern ^enP".into()));
     }
 
     #[test]
@@ -260,107 +214,51 @@ mod tests {
         // The exclude pattern is the first line of defence; the master is the second, for
         // VFs whose names do not follow the enP convention.
         let sel = Selector::new(pats(&[".*"]), vec![], vec![]);
-        let vf = LinkInfo {
-            driver: Some("mlx5_core".into()),
-            ..enslaved(5, "enP1s2", "eth0")
-        };
-        assert_eq!(
-            decide(&sel, &vf),
-            (false, "enslaved to eth0 (accelerated networking VF)".into())
-        );
-        let mana = LinkInfo {
-            driver: Some("mana".into()),
-            ..enslaved(6, "eth1", "eth0")
-        };
-        assert_eq!(
-            decide(&sel, &mana),
-            (false, "enslaved to eth0 (accelerated networking VF)".into())
-        );
+        let vf = LinkInfo { driver: Some("mlx5_core".into()), ..enslaved(5, "enP1s2", "eth0") };
+        assert_eq!(decide(&sel, &vf), (false, "enslaved to eth0 (accelerated networking VF)".into()));
+        let mana = LinkInfo { driver: Some("mana".into()), ..enslaved(6, "eth1", "eth0") };
+        assert_eq!(decide(&sel, &mana), (false, "enslaved to eth0 (accelerated networking VF)".into()));
         // With the default exclude the name rule answers first.
-        assert_eq!(
-            decide(&Selector::default(), &vf),
-            (false, "excluded by pattern ^enP".into())
-        );
+        assert_eq!(decide(&Selector::default(), &vf), (false, "excluded by pattern ^enP".into()));
     }
 
     #[test]
     fn bridge_and_bond_ports_are_skipped() {
         let sel = Selector::default();
-        assert_eq!(
-            decide(&sel, &enslaved(7, "eth2", "br0")),
-            (false, "enslaved to br0".into())
-        );
-        assert_eq!(
-            decide(&sel, &enslaved(8, "ens6", "bond0")),
-            (false, "enslaved to bond0".into())
-        );
+        assert_eq!(decide(&sel, &enslaved(7, "eth2", "br0")), (false, "enslaved to br0".into()));
+        assert_eq!(decide(&sel, &enslaved(8, "ens6", "bond0")), (false, "enslaved to bond0".into()));
         // The bond itself is the uplink.
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(9, "bond0")),
-            (true, "included by pattern ^bond".into())
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(9, "bond0")), (true, "included by pattern ^bond".into()));
     }
 
     #[test]
     fn vf_without_master() {
         let sel = Selector::default();
-        let vf = LinkInfo {
-            is_vf: true,
-            ..LinkInfo::named(10, "ens7f0v1")
-        };
-        assert_eq!(
-            decide(&sel, &vf),
-            (
-                false,
-                "SR-IOV virtual function (device/physfn present)".into()
-            )
-        );
+        let vf = LinkInfo { is_vf: true, ..LinkInfo::named(10, "ens7f0v1") };
+        assert_eq!(decide(&sel, &vf), (false, "SR-IOV virtual function (device/physfn present)".into()));
         // A VF driver alone does not make a VF: bare-metal ConnectX PFs use it too.
-        let pf = LinkInfo {
-            driver: Some("mlx5_core".into()),
-            ..LinkInfo::named(11, "ens1f0")
-        };
-        assert_eq!(
-            decide(&sel, &pf),
-            (true, format!("included by pattern {ISSUE_INCLUDE}"))
-        );
+        let pf = LinkInfo { driver: Some("mlx5_core".into()), ..LinkInfo::named(11, "ens1f0") };
+        assert_eq!(decide(&sel, &pf), (true, format!("included by pattern {ISSUE_INCLUDE}")));
     }
 
     #[test]
     fn loopback_is_never_selected_even_when_forced() {
         let sel = Selector::new(pats(&[".*"]), vec![], vec!["lo".into()]);
-        let lo = LinkInfo {
-            is_loopback: true,
-            ..LinkInfo::named(1, "lo")
-        };
+        let lo = LinkInfo { is_loopback: true, ..LinkInfo::named(1, "lo") };
         assert_eq!(decide(&sel, &lo), (false, "loopback".into()));
     }
 
     #[test]
     fn own_devices_are_never_selected() {
         let sel = Selector::new(pats(&[".*"]), vec![], vec!["gardenet0".into()]);
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(12, "gardenet0")),
-            (false, "gardenet's own device".into())
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(12, "gardenet0")), (false, "gardenet's own device".into()));
     }
 
     #[test]
     fn virtual_devices_are_not_included() {
         let sel = Selector::default();
-        for name in [
-            "docker0",
-            "vethabc",
-            "cni0",
-            "cali1234",
-            "flannel.1",
-            "tunl0",
-        ] {
-            assert_eq!(
-                decide(&sel, &LinkInfo::named(13, name)),
-                (false, "not matched by any include pattern".into()),
-                "{name}"
-            );
+        for name in ["docker0", "vethabc", "cni0", "cali1234", "flannel.1", "tunl0"] {
+            assert_eq!(decide(&sel, &LinkInfo::named(13, name)), (false, "not matched by any include pattern".into()), "{name}");
         }
     }
 
@@ -370,10 +268,7 @@ mod tests {
         assert!(Selector::default().decide(&LinkInfo::named(14, "wlan0")).attach);
         assert!(!Selector::new(pats(&["^eth"]), pats(&["^enP"]), vec![]).decide(&LinkInfo::named(14, "wlan0")).attach);
         let sel = Selector::new(pats(&[ISSUE_INCLUDE]), pats(&["^enP"]), vec![]);
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(14, "wlan0")),
-            (true, format!("included by pattern {ISSUE_INCLUDE}"))
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(14, "wlan0")), (true, format!("included by pattern {ISSUE_INCLUDE}")));
         for name in ["eth1", "ens5", "wlp2s0", "wwan0", "ibp1s0"] {
             assert!(sel.decide(&LinkInfo::named(15, name)).attach, "{name}");
         }
@@ -386,30 +281,11 @@ mod tests {
 
     #[test]
     fn forced_overrides_exclude_master_and_include() {
-        let sel = Selector::new(
-            pats(&["^eth"]),
-            pats(&["^enP"]),
-            vec!["enP1s2".into(), "vethabc".into(), "eth1".into()],
-        );
-        let vf = LinkInfo {
-            driver: Some("mlx5_core".into()),
-            ..enslaved(5, "enP1s2", "eth0")
-        };
-        assert_eq!(
-            decide(&sel, &vf),
-            (true, "forced (otherwise: excluded by pattern ^enP)".into())
-        );
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(16, "vethabc")),
-            (
-                true,
-                "forced (otherwise: not matched by any include pattern)".into()
-            )
-        );
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(2, "eth1")),
-            (true, "forced".into())
-        );
+        let sel = Selector::new(pats(&["^eth"]), pats(&["^enP"]), vec!["enP1s2".into(), "vethabc".into(), "eth1".into()]);
+        let vf = LinkInfo { driver: Some("mlx5_core".into()), ..enslaved(5, "enP1s2", "eth0") };
+        assert_eq!(decide(&sel, &vf), (true, "forced (otherwise: excluded by pattern ^enP)".into()));
+        assert_eq!(decide(&sel, &LinkInfo::named(16, "vethabc")), (true, "forced (otherwise: not matched by any include pattern)".into()));
+        assert_eq!(decide(&sel, &LinkInfo::named(2, "eth1")), (true, "forced".into()));
         // Forcing is by exact name, not by pattern.
         assert!(!sel.decide(&LinkInfo::named(17, "vethabcd")).attach);
     }
@@ -417,58 +293,34 @@ mod tests {
     #[test]
     fn custom_include_and_exclude_replace_defaults() {
         let sel = Selector::new(pats(&["^docker0$", "^veth"]), pats(&["^vethskip"]), vec![]);
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(18, "docker0")),
-            (true, "included by pattern ^docker0$".into())
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(18, "docker0")), (true, "included by pattern ^docker0$".into()));
         assert!(sel.decide(&LinkInfo::named(19, "vethabc")).attach);
         assert!(!sel.decide(&LinkInfo::named(20, "eth0")).attach);
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(21, "vethskip1")),
-            (false, "excluded by pattern ^vethskip".into())
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(21, "vethskip1")), (false, "excluded by pattern ^vethskip".into()));
     }
 
     #[test]
     fn exclude_wins_over_include() {
         let sel = Selector::new(pats(&["^eth"]), pats(&["^eth1$"]), vec![]);
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(2, "eth1")),
-            (false, "excluded by pattern ^eth1$".into())
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(2, "eth1")), (false, "excluded by pattern ^eth1$".into()));
         assert!(sel.decide(&LinkInfo::named(3, "eth10")).attach);
     }
 
     #[test]
     fn no_include_patterns_select_nothing() {
         let sel = Selector::new(vec![], vec![], vec![]);
-        assert_eq!(
-            decide(&sel, &LinkInfo::named(2, "eth0")),
-            (false, "not matched by any include pattern".into())
-        );
+        assert_eq!(decide(&sel, &LinkInfo::named(2, "eth0")), (false, "not matched by any include pattern".into()));
     }
 
     #[test]
     fn down_interfaces_are_attached_and_say_so() {
         let sel = Selector::default();
-        let down = LinkInfo {
-            oper_up: false,
-            ..LinkInfo::named(2, "eth1")
-        };
+        let down = LinkInfo { oper_up: false, ..LinkInfo::named(2, "eth1") };
         let d = sel.decide(&down);
         assert!(d.attach);
-        assert_eq!(
-            d.reason,
-            format!("included by pattern {ISSUE_INCLUDE}; down, attached anyway (programs run once it is up)")
-        );
+        assert_eq!(d.reason, format!("included by pattern {ISSUE_INCLUDE}; down, attached anyway (programs run once it is up)"));
         // A skipped down interface just gives the skip reason.
-        let down = LinkInfo {
-            oper_up: false,
-            ..LinkInfo::named(3, "docker0")
-        };
-        assert_eq!(
-            decide(&sel, &down),
-            (false, "not matched by any include pattern".into())
-        );
+        let down = LinkInfo { oper_up: false, ..LinkInfo::named(3, "docker0") };
+        assert_eq!(decide(&sel, &down), (false, "not matched by any include pattern".into()));
     }
 }

@@ -17,9 +17,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use futures::stream::{StreamExt, TryStreamExt};
-use netlink_packet_route::link::{
-    InfoKind, LinkAttribute, LinkFlags, LinkInfo as NlLinkInfo, LinkMessage, State,
-};
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo as NlLinkInfo, LinkMessage, State};
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
 use rtnetlink::{Handle, MulticastGroup};
@@ -70,9 +68,7 @@ pub struct WatchOptions {
 
 impl Default for WatchOptions {
     fn default() -> Self {
-        Self {
-            sysfs: Some(PathBuf::from(DEFAULT_SYSFS_NET)),
-        }
+        Self { sysfs: Some(PathBuf::from(DEFAULT_SYSFS_NET)) }
     }
 }
 
@@ -121,14 +117,7 @@ impl RawLink {
             State::Unknown => flags.contains(LinkFlags::Up | LinkFlags::LowerUp),
             _ => false,
         };
-        Some(Self {
-            index: msg.header.index,
-            name: name?,
-            kind,
-            master,
-            is_loopback: flags.contains(LinkFlags::Loopback),
-            oper_up,
-        })
+        Some(Self { index: msg.header.index, name: name?, kind, master, is_loopback: flags.contains(LinkFlags::Loopback), oper_up })
     }
 }
 
@@ -146,9 +135,7 @@ fn probe(sysfs: &Path, name: &str) -> (bool, Option<String>) {
     }
     let device = sysfs.join(name).join("device");
     let is_vf = device.join("physfn").exists();
-    let driver = fs::read_link(device.join("driver"))
-        .ok()
-        .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()));
+    let driver = fs::read_link(device.join("driver")).ok().and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()));
     (is_vf, driver)
 }
 
@@ -160,10 +147,7 @@ struct Table {
 
 impl Table {
     fn new(sysfs: Option<PathBuf>) -> Self {
-        Self {
-            links: BTreeMap::new(),
-            sysfs,
-        }
+        Self { links: BTreeMap::new(), sysfs }
     }
 
     fn info(&self, raw: &RawLink, names: &BTreeMap<u32, String>) -> LinkInfo {
@@ -178,10 +162,7 @@ impl Table {
             master: raw.master.map(|m| {
                 // A master always exists before its ports; the fallback only covers a
                 // notification racing with the master's own.
-                let name = names
-                    .get(&m)
-                    .cloned()
-                    .unwrap_or_else(|| format!("ifindex {m}"));
+                let name = names.get(&m).cloned().unwrap_or_else(|| format!("ifindex {m}"));
                 (m, name)
             }),
             is_loopback: raw.is_loopback,
@@ -192,27 +173,18 @@ impl Table {
     }
 
     fn names(&self) -> BTreeMap<u32, String> {
-        self.links
-            .iter()
-            .map(|(i, l)| (*i, l.name.clone()))
-            .collect()
+        self.links.iter().map(|(i, l)| (*i, l.name.clone())).collect()
     }
 
     /// Replaces the table with a dump and returns what changed against the old table
     /// (everything is `Added` on the first call).
     fn resync(&mut self, raws: Vec<RawLink>) -> Vec<LinkEvent> {
         let names: BTreeMap<u32, String> = raws.iter().map(|r| (r.index, r.name.clone())).collect();
-        let fresh: BTreeMap<u32, LinkInfo> = raws
-            .iter()
-            .map(|r| (r.index, self.info(r, &names)))
-            .collect();
+        let fresh: BTreeMap<u32, LinkInfo> = raws.iter().map(|r| (r.index, self.info(r, &names))).collect();
         let mut events = Vec::new();
         for (index, old) in &self.links {
             if !fresh.contains_key(index) {
-                events.push(LinkEvent::Removed {
-                    index: *index,
-                    name: old.name.clone(),
-                });
+                events.push(LinkEvent::Removed { index: *index, name: old.name.clone() });
             }
         }
         for (index, new) in &fresh {
@@ -257,10 +229,7 @@ impl Table {
     /// Applies one `RTM_DELLINK`.
     fn remove(&mut self, index: u32) -> Vec<LinkEvent> {
         match self.links.remove(&index) {
-            Some(old) => vec![LinkEvent::Removed {
-                index,
-                name: old.name,
-            }],
+            Some(old) => vec![LinkEvent::Removed { index, name: old.name }],
             None => Vec::new(),
         }
     }
@@ -273,15 +242,13 @@ impl Table {
 async fn dump_raw(handle: &Handle) -> Result<Vec<RawLink>> {
     let mut last = None;
     for _ in 0..DUMP_ATTEMPTS {
-        let res: Result<Vec<LinkMessage>, rtnetlink::Error> =
-            handle.link().get().execute().try_collect().await;
+        let res: Result<Vec<LinkMessage>, rtnetlink::Error> = handle.link().get().execute().try_collect().await;
         match res {
             Ok(msgs) => return Ok(msgs.iter().filter_map(RawLink::parse).collect()),
             Err(e) => last = Some(e),
         }
     }
-    Err(last.map_or_else(|| anyhow::anyhow!("no attempt"), anyhow::Error::from))
-        .context("dumping links (RTM_GETLINK)")
+    Err(last.map_or_else(|| anyhow::anyhow!("no attempt"), anyhow::Error::from)).context("dumping links (RTM_GETLINK)")
 }
 
 /// One-shot list of the links in the calling thread's netns (for `gardenet-agent links`).
@@ -328,8 +295,8 @@ impl Drop for LinkWatcher {
 /// dump and the first event (notifications that overlap the dump are de-duplicated against
 /// the table). Needs a tokio runtime; the socket lives in the calling thread's netns.
 pub async fn watch(opts: WatchOptions) -> Result<(Vec<LinkInfo>, LinkWatcher)> {
-    let (conn, handle, mut messages) = rtnetlink::new_multicast_connection(&[MulticastGroup::Link])
-        .context("opening rtnetlink socket bound to RTNLGRP_LINK")?;
+    let (conn, handle, mut messages) =
+        rtnetlink::new_multicast_connection(&[MulticastGroup::Link]).context("opening rtnetlink socket bound to RTNLGRP_LINK")?;
     let conn = tokio::spawn(conn);
     let raws = match dump_raw(&handle).await {
         Ok(r) => r,
@@ -354,24 +321,12 @@ pub async fn watch(opts: WatchOptions) -> Result<(Vec<LinkInfo>, LinkWatcher)> {
         }
         tracing::error!("rtnetlink link notifications stopped (socket closed)");
     });
-    Ok((
-        initial,
-        LinkWatcher {
-            events: rx,
-            tasks: [conn, follow],
-        },
-    ))
+    Ok((initial, LinkWatcher { events: rx, tasks: [conn, follow] }))
 }
 
-async fn apply(
-    table: &mut Table,
-    handle: &Handle,
-    msg: NetlinkMessage<RouteNetlinkMessage>,
-) -> Vec<LinkEvent> {
+async fn apply(table: &mut Table, handle: &Handle, msg: NetlinkMessage<RouteNetlinkMessage>) -> Vec<LinkEvent> {
     match msg.payload {
-        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
-            RawLink::parse(&m).map_or_else(Vec::new, |raw| table.upsert(raw))
-        }
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => RawLink::parse(&m).map_or_else(Vec::new, |raw| table.upsert(raw)),
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
             // AF_BRIDGE DELLINKs announce a port leaving a bridge, not a device going away.
             if m.header.interface_family == AddressFamily::Unspec {
@@ -464,14 +419,7 @@ mod tests {
     use super::*;
 
     fn raw(index: u32, name: &str) -> RawLink {
-        RawLink {
-            index,
-            name: name.into(),
-            kind: None,
-            master: None,
-            is_loopback: false,
-            oper_up: true,
-        }
+        RawLink { index, name: name.into(), kind: None, master: None, is_loopback: false, oper_up: true }
     }
 
     fn table(raws: Vec<RawLink>) -> Table {
@@ -492,17 +440,7 @@ mod tests {
             LinkAttribute::LinkInfo(vec![NlLinkInfo::Kind(InfoKind::Veth)]),
         ];
         let r = RawLink::parse(&m).unwrap();
-        assert_eq!(
-            r,
-            RawLink {
-                index: 7,
-                name: "enP1s2".into(),
-                kind: Some("veth".into()),
-                master: Some(3),
-                is_loopback: false,
-                oper_up: true,
-            }
-        );
+        assert_eq!(r, RawLink { index: 7, name: "enP1s2".into(), kind: Some("veth".into()), master: Some(3), is_loopback: false, oper_up: true });
         // Loopback reports UNKNOWN; the flags decide.
         let mut lo = LinkMessage::default();
         lo.header.index = 1;
@@ -530,13 +468,7 @@ mod tests {
     #[test]
     fn masters_are_resolved_in_any_dump_order() {
         // The bridge has a higher index than its port: resolution must see the whole dump.
-        let t = table(vec![
-            RawLink {
-                master: Some(9),
-                ..raw(4, "enP1s2")
-            },
-            raw(9, "br-acc"),
-        ]);
+        let t = table(vec![RawLink { master: Some(9), ..raw(4, "enP1s2") }, raw(9, "br-acc")]);
         assert_eq!(t.links[&4].master, Some((9, "br-acc".into())));
     }
 
@@ -544,14 +476,8 @@ mod tests {
     fn upsert_reports_only_real_changes() {
         let mut t = table(vec![raw(2, "eth1")]);
         assert!(t.upsert(raw(2, "eth1")).is_empty(), "same state: no event");
-        assert_eq!(
-            t.upsert(raw(3, "ens5")),
-            vec![LinkEvent::Added(LinkInfo::named(3, "ens5"))]
-        );
-        let down = RawLink {
-            oper_up: false,
-            ..raw(2, "eth1")
-        };
+        assert_eq!(t.upsert(raw(3, "ens5")), vec![LinkEvent::Added(LinkInfo::named(3, "ens5"))]);
+        let down = RawLink { oper_up: false, ..raw(2, "eth1") };
         let ev = t.upsert(down);
         assert!(matches!(&ev[..], [LinkEvent::Changed(l)] if !l.oper_up));
         let ev = t.upsert(raw(2, "eth9"));
@@ -560,13 +486,7 @@ mod tests {
 
     #[test]
     fn renaming_a_master_re_reports_its_ports() {
-        let mut t = table(vec![
-            raw(5, "br0"),
-            RawLink {
-                master: Some(5),
-                ..raw(6, "eth2")
-            },
-        ]);
+        let mut t = table(vec![raw(5, "br0"), RawLink { master: Some(5), ..raw(6, "eth2") }]);
         let ev = t.upsert(raw(5, "br1"));
         assert_eq!(ev.len(), 2, "{ev:?}");
         assert!(matches!(&ev[1], LinkEvent::Changed(l) if l.master == Some((5, "br1".into()))));
@@ -575,13 +495,7 @@ mod tests {
     #[test]
     fn remove_forgets_and_ignores_unknown() {
         let mut t = table(vec![raw(2, "eth1")]);
-        assert_eq!(
-            t.remove(2),
-            vec![LinkEvent::Removed {
-                index: 2,
-                name: "eth1".into()
-            }]
-        );
+        assert_eq!(t.remove(2), vec![LinkEvent::Removed { index: 2, name: "eth1".into() }]);
         assert!(t.remove(2).is_empty());
     }
 
@@ -589,13 +503,7 @@ mod tests {
     fn resync_reports_the_difference() {
         let mut t = table(vec![raw(2, "eth1"), raw(3, "ens5")]);
         let ev = t.resync(vec![raw(2, "eth1"), raw(3, "ens6"), raw(4, "eth4")]);
-        assert_eq!(
-            ev,
-            vec![
-                LinkEvent::Changed(LinkInfo::named(3, "ens6")),
-                LinkEvent::Added(LinkInfo::named(4, "eth4")),
-            ]
-        );
+        assert_eq!(ev, vec![LinkEvent::Changed(LinkInfo::named(3, "ens6")), LinkEvent::Added(LinkInfo::named(4, "eth4")),]);
         let ev = t.resync(vec![raw(4, "eth4")]);
         assert_eq!(ev.len(), 2);
         assert!(ev.iter().all(|e| matches!(e, LinkEvent::Removed { .. })));
@@ -603,8 +511,7 @@ mod tests {
 
     #[test]
     fn probe_reads_vf_and_driver_from_sysfs_layout() {
-        let root =
-            std::env::temp_dir().join(format!("gardenet-links-probe-{}", std::process::id()));
+        let root = std::env::temp_dir().join(format!("gardenet-links-probe-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         let dev = root.join("enP1s2").join("device");
         fs::create_dir_all(dev.join("physfn")).unwrap();

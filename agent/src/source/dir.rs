@@ -12,7 +12,11 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
@@ -126,9 +130,8 @@ impl DirState {
     pub fn reload(&mut self, files: &[PathBuf]) -> Vec<SourceEvent> {
         let mut per_file = HashMap::new();
         for f in files {
-            let parsed = std::fs::read_to_string(f)
-                .with_context(|| format!("reading {}", f.display()))
-                .and_then(|t| parse_manifests(&t, &f.display().to_string()));
+            let parsed =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display())).and_then(|t| parse_manifests(&t, &f.display().to_string()));
             match parsed {
                 Ok(mut objs) => {
                     objs.retain(|((kind, _, name), _)| *kind != "Node" || *name == self.node_name);
@@ -219,7 +222,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gardenet-dir-node-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("nodes.yaml");
-        let node = |n: &str, ip: &str| format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {n}}}\nstatus: {{addresses: [{{type: InternalIP, address: {ip}}}]}}\n");
+        let node =
+            |n: &str, ip: &str| format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {n}}}\nstatus: {{addresses: [{{type: InternalIP, address: {ip}}}]}}\n");
         std::fs::write(&f, format!("{}---\n{}", node("n1", "192.0.2.1"), node("n2", "192.0.2.2"))).unwrap();
         let mut st = DirState { node_name: "n2".into(), ..Default::default() };
         let ev = st.reload(std::slice::from_ref(&f));

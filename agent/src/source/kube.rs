@@ -54,15 +54,10 @@ use crate::view::{ServiceCidrView, ServiceView, SliceView};
 pub async fn client_from_env(kubeconfig: Option<PathBuf>) -> anyhow::Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
-            let kubeconfig = Kubeconfig::read_from(&path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
-                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+            let kubeconfig = Kubeconfig::read_from(&path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await.with_context(|| format!("loading kubeconfig {}", path.display()))?
         }
-        None => Config::infer()
-            .await
-            .context("inferring Kubernetes client config")?,
+        None => Config::infer().await.context("inferring Kubernetes client config")?,
     };
     Client::try_from(config).context("building Kubernetes client")
 }
@@ -76,24 +71,9 @@ pub async fn run(client: Client, node_name: String, tx: EventTx) -> anyhow::Resu
     let paged = || watcher::Config::default().page_size(500);
     let service_cidrs = has_service_cidrs(&client).await;
     let mut streams = vec![
-        watch(
-            Api::<Service>::all(client.clone()),
-            paged(),
-            Kind::Service,
-        )
-        .boxed(),
-        watch(
-            Api::<EndpointSlice>::all(client.clone()),
-            paged(),
-            Kind::Slice,
-        )
-        .boxed(),
-        watch(
-            Api::<Node>::all(client.clone()),
-            paged().fields(&node_selector),
-            Kind::Node,
-        )
-        .boxed(),
+        watch(Api::<Service>::all(client.clone()), paged(), Kind::Service).boxed(),
+        watch(Api::<EndpointSlice>::all(client.clone()), paged(), Kind::Slice).boxed(),
+        watch(Api::<Node>::all(client.clone()), paged().fields(&node_selector), Kind::Node).boxed(),
     ];
     let mut kinds = vec![Kind::Service, Kind::Slice, Kind::Node];
     if service_cidrs {
@@ -194,18 +174,12 @@ impl Obj {
 }
 
 /// A backed-off watcher for one resource, tagged with its kind.
-fn watch<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    kind: Kind,
-) -> impl Stream<Item = (Kind, Result<Event<Obj>, watcher::Error>)> + Send
+fn watch<K>(api: Api<K>, config: watcher::Config, kind: Kind) -> impl Stream<Item = (Kind, Result<Event<Obj>, watcher::Error>)> + Send
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
     Obj: From<K>,
 {
-    watcher::watcher(api, config)
-        .default_backoff()
-        .map(move |event| (kind, event.map(|event| into_obj(trim(event)))))
+    watcher::watcher(api, config).default_backoff().map(move |event| (kind, event.map(|event| into_obj(trim(event)))))
 }
 
 /// Managed fields are large and nobody downstream reads them; they would only bloat the cache.
@@ -267,7 +241,10 @@ async fn has_service_cidrs(client: &Client) -> bool {
                 return false;
             }
             Err(kube::Error::Api(e)) if e.code == 403 => {
-                tracing::warn!("not allowed to list ServiceCIDRs ({}): service ranges are not enforced; grant list/watch on servicecidrs.networking.k8s.io", e.message);
+                tracing::warn!(
+                    "not allowed to list ServiceCIDRs ({}): service ranges are not enforced; grant list/watch on servicecidrs.networking.k8s.io",
+                    e.message
+                );
                 return false;
             }
             Err(e) => {
@@ -299,10 +276,7 @@ impl SyncState {
                 self.flush()
             }
             Event::Apply(obj) => {
-                self.known
-                    .entry(kind)
-                    .or_default()
-                    .insert(obj.key(), obj.clone());
+                self.known.entry(kind).or_default().insert(obj.key(), obj.clone());
                 vec![obj.applied()]
             }
             Event::Delete(obj) => {
@@ -324,14 +298,8 @@ impl SyncState {
             return Vec::new();
         }
         self.snapshot_due = false;
-        let objects = self
-            .known
-            .values()
-            .flat_map(|objs| objs.values().cloned().map(Obj::applied));
-        std::iter::once(SourceEvent::Resync)
-            .chain(objects)
-            .chain(std::iter::once(SourceEvent::Synced))
-            .collect()
+        let objects = self.known.values().flat_map(|objs| objs.values().cloned().map(Obj::applied));
+        std::iter::once(SourceEvent::Resync).chain(objects).chain(std::iter::once(SourceEvent::Synced)).collect()
     }
 }
 
@@ -342,32 +310,16 @@ mod tests {
     use super::*;
 
     fn meta(ns: &str, name: &str) -> ObjectMeta {
-        ObjectMeta {
-            namespace: (!ns.is_empty()).then(|| ns.into()),
-            name: Some(name.into()),
-            ..Default::default()
-        }
+        ObjectMeta { namespace: (!ns.is_empty()).then(|| ns.into()), name: Some(name.into()), ..Default::default() }
     }
     fn svc(name: &str) -> Obj {
-        Service {
-            metadata: meta("default", name),
-            ..Default::default()
-        }
-        .into()
+        Service { metadata: meta("default", name), ..Default::default() }.into()
     }
     fn slice(name: &str) -> Obj {
-        EndpointSlice {
-            metadata: meta("default", name),
-            ..Default::default()
-        }
-        .into()
+        EndpointSlice { metadata: meta("default", name), ..Default::default() }.into()
     }
     fn node(name: &str) -> Obj {
-        Node {
-            metadata: meta("", name),
-            ..Default::default()
-        }
-        .into()
+        Node { metadata: meta("", name), ..Default::default() }.into()
     }
 
     fn names(events: &[SourceEvent]) -> Vec<String> {
@@ -390,10 +342,7 @@ mod tests {
 
     /// Feeds events and returns everything emitted, flattened.
     fn feed(sync: &mut SyncState, events: Vec<(Kind, Event<Obj>)>) -> Vec<String> {
-        events
-            .into_iter()
-            .flat_map(|(k, e)| names(&sync.handle(k, e)))
-            .collect()
+        events.into_iter().flat_map(|(k, e)| names(&sync.handle(k, e))).collect()
     }
 
     fn initial(sync: &mut SyncState) -> Vec<String> {
@@ -417,17 +366,7 @@ mod tests {
     #[test]
     fn one_snapshot_after_all_initial_lists() {
         let mut sync = SyncState::default();
-        assert_eq!(
-            initial(&mut sync),
-            [
-                "resync",
-                "+svc a",
-                "+svc b",
-                "+slice a-1",
-                "+node n",
-                "synced"
-            ]
-        );
+        assert_eq!(initial(&mut sync), ["resync", "+svc a", "+svc b", "+slice a-1", "+node n", "synced"]);
     }
 
     #[test]
@@ -481,17 +420,7 @@ mod tests {
                 (Kind::Node, Event::InitDone),
             ],
         );
-        assert_eq!(
-            out,
-            [
-                "+svc c",
-                "resync",
-                "+svc c",
-                "+slice a-1",
-                "+node n",
-                "synced"
-            ]
-        );
+        assert_eq!(out, ["+svc c", "resync", "+svc c", "+slice a-1", "+node n", "synced"]);
     }
 
     #[test]

@@ -83,37 +83,23 @@ pub async fn serve_proxy_healthz(args: &StatusArgs, state: Arc<AgentState>) -> O
 /// Serves `/healthz`, `/readyz` and `/metrics` on `--health-addr`, and on `--metrics-addr`
 /// if that differs (both listeners serve every path: a probe or scraper pointed at either
 /// works). Binds before returning, so a taken port fails the start.
-pub async fn serve_endpoints(
-    args: &StatusArgs,
-    state: Arc<AgentState>,
-    metrics: Arc<Metrics>,
-) -> anyhow::Result<Vec<JoinHandle<anyhow::Result<()>>>> {
+pub async fn serve_endpoints(args: &StatusArgs, state: Arc<AgentState>, metrics: Arc<Metrics>) -> anyhow::Result<Vec<JoinHandle<anyhow::Result<()>>>> {
     let mut addrs = vec![args.health_addr];
     if args.metrics_addr != args.health_addr {
         addrs.push(args.metrics_addr);
     }
     let mut tasks = Vec::new();
     for addr in addrs {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding the health/metrics endpoint {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the health/metrics endpoint {addr}"))?;
         tracing::info!("serving /healthz, /readyz and /metrics on {addr}");
-        tasks.push(tokio::spawn(health::serve_on(
-            listener,
-            state.clone(),
-            metrics.clone(),
-        )));
+        tasks.push(tokio::spawn(health::serve_on(listener, state.clone(), metrics.clone())));
     }
     Ok(tasks)
 }
 
 /// Feeds the selected interfaces (`(name, attached, last attach error)`, e.g. from the
 /// link manager's snapshot) into readiness and metrics; counts each new attach error once.
-pub fn report_interfaces(
-    state: &AgentState,
-    metrics: &Metrics,
-    selected: impl IntoIterator<Item = (String, bool, Option<String>)>,
-) {
+pub fn report_interfaces(state: &AgentState, metrics: &Metrics, selected: impl IntoIterator<Item = (String, bool, Option<String>)>) {
     let before = state.snapshot().interfaces;
     let mut now = BTreeMap::new();
     for (name, attached, error) in selected {
@@ -146,36 +132,21 @@ impl Reporting {
     ) -> anyhow::Result<Reporting> {
         let (stop, shutdown) = shutdown_channel();
         let mut tasks = Vec::new();
-        let node_config = NodeReporterConfig {
-            report_stopping: detach_on_exit,
-            ..Default::default()
-        };
+        let node_config = NodeReporterConfig { report_stopping: detach_on_exit, ..Default::default() };
         let node = NodeReporter::new(client.clone(), node_name, state, node_config)?;
         tasks.push(tokio::spawn(node.run(shutdown.clone())));
 
         if let Some(network) = &args.network {
             let network_client = match &args.network_kubeconfig {
-                Some(path) => source::kube::client_from_env(Some(path.clone()))
-                    .await
-                    .context("--network-kubeconfig")?,
+                Some(path) => source::kube::client_from_env(Some(path.clone())).await.context("--network-kubeconfig")?,
                 None => client.clone(),
             };
             // Unique per process: two pods of the DaemonSet on one node (rolling update
             // with surge) must not both believe they hold the Lease.
             let identity = format!("{node_name}_{:08x}", rand::random::<u32>());
             let elector = Elector::gardenet(client.clone(), identity, LeaseTiming::default())?;
-            let config = NetworkReporterConfig {
-                kube_proxy_enabled: args.kube_proxy_enabled,
-                fallback_config: config,
-                ..Default::default()
-            };
-            let reporter = NetworkReporter::new(
-                client,
-                network_client,
-                network,
-                elector.leadership(),
-                config,
-            );
+            let config = NetworkReporterConfig { kube_proxy_enabled: args.kube_proxy_enabled, fallback_config: config, ..Default::default() };
+            let reporter = NetworkReporter::new(client, network_client, network, elector.leadership(), config);
             tasks.push(tokio::spawn(reporter.run(shutdown.clone())));
             tasks.push(tokio::spawn(async move {
                 if let Err(e) = elector.run(shutdown).await {
@@ -192,10 +163,7 @@ impl Reporting {
     pub async fn stop(self) {
         let _ = self.stop.send(true);
         let all = futures::future::join_all(self.tasks);
-        if tokio::time::timeout(Duration::from_secs(10), all)
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(Duration::from_secs(10), all).await.is_err() {
             tracing::warn!("status reporters did not stop within 10s");
         }
     }
@@ -216,31 +184,14 @@ mod tests {
     fn interfaces_feed_readiness_and_metrics() {
         let (state, metrics) = (AgentState::default(), Metrics::new());
         let err = || Some("EBUSY".to_owned());
-        report_interfaces(
-            &state,
-            &metrics,
-            [("eth0".into(), true, None), ("eth1".into(), false, err())],
-        );
-        report_interfaces(
-            &state,
-            &metrics,
-            [("eth0".into(), true, None), ("eth1".into(), false, err())],
-        );
+        report_interfaces(&state, &metrics, [("eth0".into(), true, None), ("eth1".into(), false, err())]);
+        report_interfaces(&state, &metrics, [("eth0".into(), true, None), ("eth1".into(), false, err())]);
         assert_eq!(state.snapshot().interfaces.len(), 2);
         let text = metrics.encode();
-        assert!(
-            text.contains("gardenet_errors_total{kind=\"attach\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("gardenet_interface_attached{interface=\"eth1\"} 0"),
-            "{text}"
-        );
+        assert!(text.contains("gardenet_errors_total{kind=\"attach\"} 1"), "{text}");
+        assert!(text.contains("gardenet_interface_attached{interface=\"eth1\"} 0"), "{text}");
         report_interfaces(&state, &metrics, [("eth0".into(), true, None)]);
-        assert_eq!(
-            state.snapshot().interfaces.keys().collect::<Vec<_>>(),
-            ["eth0"]
-        );
+        assert_eq!(state.snapshot().interfaces.keys().collect::<Vec<_>>(), ["eth0"]);
         assert!(!metrics.encode().contains("eth1"));
     }
 
@@ -253,16 +204,7 @@ mod tests {
         assert!(cli.status.kube_proxy_enabled);
         assert_eq!(cli.status.network, None);
 
-        let cli = Cli::try_parse_from([
-            "x",
-            "--network",
-            "shoot--a--b/b",
-            "--kube-proxy-enabled",
-            "false",
-            "--metrics-addr",
-            "127.0.0.1:9878",
-        ])
-        .unwrap();
+        let cli = Cli::try_parse_from(["x", "--network", "shoot--a--b/b", "--kube-proxy-enabled", "false", "--metrics-addr", "127.0.0.1:9878"]).unwrap();
         assert_eq!(cli.status.network.unwrap().to_string(), "shoot--a--b/b");
         assert!(!cli.status.kube_proxy_enabled);
         assert!(Cli::try_parse_from(["x", "--network", "nonamespace"]).is_err());

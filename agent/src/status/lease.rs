@@ -94,10 +94,7 @@ struct LeadershipInner {
 
 impl Default for Leadership {
     fn default() -> Self {
-        Leadership(Arc::new(LeadershipInner {
-            until: Mutex::new(None),
-            changes: watch::channel(false).0,
-        }))
+        Leadership(Arc::new(LeadershipInner { until: Mutex::new(None), changes: watch::channel(false).0 }))
     }
 }
 
@@ -121,9 +118,7 @@ impl Leadership {
     fn set(&self, until: Option<Instant>) {
         *self.0.until.lock().unwrap_or_else(|e| e.into_inner()) = until;
         let leading = self.is_leader();
-        self.0
-            .changes
-            .send_if_modified(|v| std::mem::replace(v, leading) != leading);
+        self.0.changes.send_if_modified(|v| std::mem::replace(v, leading) != leading);
     }
 }
 
@@ -142,34 +137,17 @@ pub struct Elector {
 impl Elector {
     /// gardenet's election: `kube-system/gardenet-agent`. `identity` must be unique per agent
     /// *process* (two pods on one node during a rolling update must not share it).
-    pub fn gardenet(
-        client: Client,
-        identity: impl Into<String>,
-        timing: LeaseTiming,
-    ) -> anyhow::Result<Self> {
+    pub fn gardenet(client: Client, identity: impl Into<String>, timing: LeaseTiming) -> anyhow::Result<Self> {
         Self::new(client, LEASE_NAMESPACE, LEASE_NAME, identity, timing)
     }
 
-    pub fn new(
-        client: Client,
-        namespace: &str,
-        name: &str,
-        identity: impl Into<String>,
-        timing: LeaseTiming,
-    ) -> anyhow::Result<Self> {
+    pub fn new(client: Client, namespace: &str, name: &str, identity: impl Into<String>, timing: LeaseTiming) -> anyhow::Result<Self> {
         timing.validate()?;
         let identity = identity.into();
         if identity.is_empty() {
             bail!("leader election needs a non-empty identity");
         }
-        Ok(Elector {
-            api: Api::namespaced(client, namespace),
-            name: name.to_owned(),
-            identity,
-            timing,
-            leadership: Leadership::default(),
-            observed: None,
-        })
+        Ok(Elector { api: Api::namespaced(client, namespace), name: name.to_owned(), identity, timing, leadership: Leadership::default(), observed: None })
     }
 
     pub fn leadership(&self) -> Leadership {
@@ -194,28 +172,11 @@ impl Elector {
         let limit = self.timing.request_timeout;
         // Sent-time of this round: the conservative start of a leadership it may win.
         let start = Instant::now();
-        let current = timed(
-            limit,
-            "reading the election Lease",
-            self.api.get_opt(&self.name),
-        )
-        .await?
-        .context("reading the election Lease")?;
+        let current = timed(limit, "reading the election Lease", self.api.get_opt(&self.name)).await?.context("reading the election Lease")?;
 
         let Some(lease) = current else {
-            let lease = Lease {
-                metadata: ObjectMeta {
-                    name: Some(self.name.clone()),
-                    ..Default::default()
-                },
-                spec: Some(self.acquired(None)),
-            };
-            let created = timed(
-                limit,
-                "creating the election Lease",
-                self.api.create(&PostParams::default(), &lease),
-            )
-            .await?;
+            let lease = Lease { metadata: ObjectMeta { name: Some(self.name.clone()), ..Default::default() }, spec: Some(self.acquired(None)) };
+            let created = timed(limit, "creating the election Lease", self.api.create(&PostParams::default(), &lease)).await?;
             return self.settle(created, start, "creating the election Lease");
         };
 
@@ -226,19 +187,12 @@ impl Elector {
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.as_deref().filter(|h| !h.is_empty());
         let next_spec = if holder == Some(self.identity.as_str()) {
-            LeaseSpec {
-                renew_time: Some(now()),
-                lease_duration_seconds: Some(self.timing.lease_duration_seconds()),
-                ..spec
-            }
+            LeaseSpec { renew_time: Some(now()), lease_duration_seconds: Some(self.timing.lease_duration_seconds()), ..spec }
         } else {
             // Someone else holds it (or held it): we do not lead, whatever we thought.
             self.leadership.set(None);
             if holder.is_some() {
-                let declared = spec
-                    .lease_duration_seconds
-                    .and_then(|s| u64::try_from(s).ok())
-                    .map_or(Duration::ZERO, Duration::from_secs);
+                let declared = spec.lease_duration_seconds.and_then(|s| u64::try_from(s).ok()).map_or(Duration::ZERO, Duration::from_secs);
                 // The longer of ours and the holder's: a holder configured with a longer
                 // lease must not be cut short.
                 let valid_for = self.timing.lease_duration.max(declared);
@@ -251,25 +205,15 @@ impl Elector {
             self.acquired(Some(spec))
         };
         // `lease` carries the resourceVersion read above: a concurrent writer makes this 409.
-        let next = Lease {
-            spec: Some(next_spec),
-            ..lease
-        };
-        let replaced = timed(
-            limit,
-            "writing the election Lease",
-            self.api.replace(&self.name, &PostParams::default(), &next),
-        )
-        .await?;
+        let next = Lease { spec: Some(next_spec), ..lease };
+        let replaced = timed(limit, "writing the election Lease", self.api.replace(&self.name, &PostParams::default(), &next)).await?;
         self.settle(replaced, start, "writing the election Lease")
     }
 
     /// The spec of a Lease this agent takes: from scratch, or over from `previous` (held by
     /// someone else, or released). A change of holder is a transition, as in client-go.
     fn acquired(&self, previous: Option<LeaseSpec>) -> LeaseSpec {
-        let transitions = previous
-            .as_ref()
-            .map_or(0, |p| p.lease_transitions.unwrap_or(0).saturating_add(1));
+        let transitions = previous.as_ref().map_or(0, |p| p.lease_transitions.unwrap_or(0).saturating_add(1));
         LeaseSpec {
             holder_identity: Some(self.identity.clone()),
             lease_duration_seconds: Some(self.timing.lease_duration_seconds()),
@@ -280,20 +224,14 @@ impl Elector {
         }
     }
 
-    fn settle(
-        &mut self,
-        written: kube::Result<Lease>,
-        start: Instant,
-        what: &str,
-    ) -> anyhow::Result<()> {
+    fn settle(&mut self, written: kube::Result<Lease>, start: Instant, what: &str) -> anyhow::Result<()> {
         match written {
             Ok(lease) => {
                 // Our own write is a change we have seen.
                 if let Some(rv) = lease.metadata.resource_version {
                     self.observed = Some((rv, start));
                 }
-                self.leadership
-                    .set(Some(start + self.timing.renew_deadline));
+                self.leadership.set(Some(start + self.timing.renew_deadline));
                 Ok(())
             }
             // Someone else wrote first; the next round reads what they wrote. A leader keeps
@@ -308,14 +246,7 @@ impl Elector {
     pub async fn release(&mut self) -> anyhow::Result<()> {
         self.leadership.set(None);
         let limit = self.timing.request_timeout;
-        let Some(lease) = timed(
-            limit,
-            "reading the election Lease",
-            self.api.get_opt(&self.name),
-        )
-        .await?
-        .context("reading the election Lease")?
-        else {
+        let Some(lease) = timed(limit, "reading the election Lease", self.api.get_opt(&self.name)).await?.context("reading the election Lease")? else {
             return Ok(());
         };
         let Some(spec) = lease.spec.clone() else {
@@ -324,22 +255,8 @@ impl Elector {
         if spec.holder_identity.as_deref() != Some(self.identity.as_str()) {
             return Ok(());
         }
-        let next = Lease {
-            spec: Some(LeaseSpec {
-                holder_identity: None,
-                lease_duration_seconds: Some(1),
-                renew_time: Some(now()),
-                ..spec
-            }),
-            ..lease
-        };
-        match timed(
-            limit,
-            "releasing the election Lease",
-            self.api.replace(&self.name, &PostParams::default(), &next),
-        )
-        .await?
-        {
+        let next = Lease { spec: Some(LeaseSpec { holder_identity: None, lease_duration_seconds: Some(1), renew_time: Some(now()), ..spec }), ..lease };
+        match timed(limit, "releasing the election Lease", self.api.replace(&self.name, &PostParams::default(), &next)).await? {
             Ok(_) => {
                 tracing::info!("released the election Lease");
                 Ok(())
@@ -386,24 +303,15 @@ mod tests {
     #[test]
     fn timing_must_be_ordered() {
         assert!(LeaseTiming::default().validate().is_ok());
-        let bad = LeaseTiming {
-            renew_deadline: Duration::from_secs(15),
-            ..Default::default()
-        };
+        let bad = LeaseTiming { renew_deadline: Duration::from_secs(15), ..Default::default() };
         assert!(bad.validate().is_err());
-        let bad = LeaseTiming {
-            retry_period: Duration::from_secs(10),
-            ..Default::default()
-        };
+        let bad = LeaseTiming { retry_period: Duration::from_secs(10), ..Default::default() };
         assert!(bad.validate().is_err());
     }
 
     #[test]
     fn lease_seconds_round_up() {
-        let t = |ms| LeaseTiming {
-            lease_duration: Duration::from_millis(ms),
-            ..Default::default()
-        };
+        let t = |ms| LeaseTiming { lease_duration: Duration::from_millis(ms), ..Default::default() };
         assert_eq!(t(15_000).lease_duration_seconds(), 15);
         assert_eq!(t(1_200).lease_duration_seconds(), 2);
         assert_eq!(t(300).lease_duration_seconds(), 1);

@@ -45,14 +45,8 @@ async fn stopped(shutdown: &mut Shutdown) {
 
 /// The outcome of one API call that had `limit` to complete: the outer error is the
 /// deadline, the inner one what the API server (or transport) said.
-async fn timed<T>(
-    limit: Duration,
-    what: &str,
-    call: impl Future<Output = kube::Result<T>>,
-) -> anyhow::Result<kube::Result<T>> {
-    tokio::time::timeout(limit, call)
-        .await
-        .map_err(|_| anyhow!("{what}: no answer within {limit:?}"))
+async fn timed<T>(limit: Duration, what: &str, call: impl Future<Output = kube::Result<T>>) -> anyhow::Result<kube::Result<T>> {
+    tokio::time::timeout(limit, call).await.map_err(|_| anyhow!("{what}: no answer within {limit:?}"))
 }
 
 /// The HTTP status code of an API error (`None` for transport and decoding errors).

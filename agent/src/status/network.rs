@@ -42,10 +42,7 @@ impl FromStr for NetworkRef {
     fn from_str(s: &str) -> Result<Self, String> {
         let ok = |p: &str| !p.is_empty() && !p.contains(['/', '?', '#', '%', ' ']);
         match s.split_once('/') {
-            Some((ns, name)) if ok(ns) && ok(name) => Ok(NetworkRef {
-                namespace: ns.into(),
-                name: name.into(),
-            }),
+            Some((ns, name)) if ok(ns) && ok(name) => Ok(NetworkRef { namespace: ns.into(), name: name.into() }),
             _ => Err(format!("{s:?}: expected NAMESPACE/NAME")),
         }
     }
@@ -106,13 +103,7 @@ pub struct NetworkReporter {
 impl NetworkReporter {
     /// `network_client` talks to the cluster holding the Network (the seed, or the same
     /// cluster as `node_client`).
-    pub fn new(
-        node_client: Client,
-        network_client: Client,
-        network: &NetworkRef,
-        leadership: Leadership,
-        config: NetworkReporterConfig,
-    ) -> Self {
+    pub fn new(node_client: Client, network_client: Client, network: &NetworkRef, leadership: Leadership, config: NetworkReporterConfig) -> Self {
         NetworkReporter {
             networks: Api::namespaced(network_client, &network.namespace),
             nodes: Api::all(node_client),
@@ -128,13 +119,9 @@ impl NetworkReporter {
             if !self.leadership.is_leader() {
                 return Ok(Outcome::NotLeader);
             }
-            let network = timed(
-                self.config.request_timeout,
-                "reading the Network",
-                self.networks.get(&self.name),
-            )
-            .await?
-            .with_context(|| format!("reading Network {}", self.name))?;
+            let network = timed(self.config.request_timeout, "reading the Network", self.networks.get(&self.name))
+                .await?
+                .with_context(|| format!("reading Network {}", self.name))?;
             match self.write(&network).await? {
                 Outcome::Conflict => {
                     tracing::debug!(network = %self.name, "Network changed while writing its status; re-reading")
@@ -150,11 +137,7 @@ impl NetworkReporter {
     pub async fn write(&self, network: &Network) -> anyhow::Result<Outcome> {
         if network.spec.type_ != NETWORK_TYPE {
             // Not ours: never write into another extension's Network.
-            bail!(
-                "Network {} has type {:?}, not {NETWORK_TYPE:?}",
-                self.name,
-                network.spec.type_
-            );
+            bail!("Network {} has type {:?}, not {NETWORK_TYPE:?}", self.name, network.spec.type_);
         }
         let config = NetworkConfig::from_network(network).unwrap_or_else(|e| {
             tracing::warn!(network = %self.name, "{e}; using the agent's own config");
@@ -162,23 +145,13 @@ impl NetworkReporter {
         });
         let nodes = self.node_readiness().await?;
         let now = Time(Timestamp::now());
-        let Some(patch) = status_update(
-            network,
-            &config,
-            self.config.kube_proxy_enabled,
-            &nodes,
-            now,
-        ) else {
+        let Some(patch) = status_update(network, &config, self.config.kube_proxy_enabled, &nodes, now) else {
             return Ok(Outcome::Unchanged);
         };
         // `status_update` compares typed statuses; fields it does not model (say, a foreign
         // key inside providerStatus) make them differ forever although the merge patch
         // would change nothing. Don't write (and wake every watcher) for nothing.
-        let current = network
-            .status
-            .as_ref()
-            .and_then(|s| serde_json::to_value(s).ok())
-            .unwrap_or(Value::Null);
+        let current = network.status.as_ref().and_then(|s| serde_json::to_value(s).ok()).unwrap_or(Value::Null);
         if merge_patch_is_noop(&current, &patch["status"]) {
             return Ok(Outcome::Unchanged);
         }
@@ -189,34 +162,21 @@ impl NetworkReporter {
         let written = timed(
             self.config.request_timeout,
             "patching the Network status",
-            self.networks
-                .patch_status(&self.name, &PatchParams::default(), &Patch::Merge(&patch)),
+            self.networks.patch_status(&self.name, &PatchParams::default(), &Patch::Merge(&patch)),
         )
         .await?;
         match written {
             Ok(_) => Ok(Outcome::Written),
             Err(e) if api_code(&e) == Some(409) => Ok(Outcome::Conflict),
-            Err(e) => {
-                Err(e).with_context(|| format!("patching the status of Network {}", self.name))
-            }
+            Err(e) => Err(e).with_context(|| format!("patching the status of Network {}", self.name)),
         }
     }
 
     async fn node_readiness(&self) -> anyhow::Result<Vec<NodeReadiness>> {
-        let nodes = timed(
-            self.config.request_timeout,
-            "listing Nodes",
-            self.nodes.list(&ListParams::default()),
-        )
-        .await?
-        .context("listing Nodes")?;
+        let nodes = timed(self.config.request_timeout, "listing Nodes", self.nodes.list(&ListParams::default())).await?.context("listing Nodes")?;
         let now = Time(Timestamp::now());
         let max_age = i64::try_from(self.config.node_max_age.as_secs()).unwrap_or(i64::MAX);
-        Ok(nodes
-            .items
-            .iter()
-            .map(|n| node_readiness(n, &now, max_age))
-            .collect())
+        Ok(nodes.items.iter().map(|n| node_readiness(n, &now, max_age)).collect())
     }
 
     /// Reconciles every interval and on leadership changes, while leading, until `shutdown`.
@@ -280,13 +240,7 @@ mod tests {
 
     #[test]
     fn network_refs() {
-        assert_eq!(
-            "shoot--a--b/shoot".parse::<NetworkRef>(),
-            Ok(NetworkRef {
-                namespace: "shoot--a--b".into(),
-                name: "shoot".into()
-            })
-        );
+        assert_eq!("shoot--a--b/shoot".parse::<NetworkRef>(), Ok(NetworkRef { namespace: "shoot--a--b".into(), name: "shoot".into() }));
         for bad in ["shoot", "/x", "x/", "a/b/c", "a/b?c"] {
             assert!(bad.parse::<NetworkRef>().is_err(), "{bad}");
         }
@@ -295,10 +249,7 @@ mod tests {
     #[test]
     fn merge_patch_semantics() {
         let current = json!({"a": {"x": 1, "foreign": 2}, "list": [1, 2], "gone": 1});
-        assert!(merge_patch_is_noop(
-            &current,
-            &json!({"a": {"x": 1}, "list": [1, 2]})
-        ));
+        assert!(merge_patch_is_noop(&current, &json!({"a": {"x": 1}, "list": [1, 2]})));
         assert!(merge_patch_is_noop(&current, &json!({"missing": null})));
         assert!(!merge_patch_is_noop(&current, &json!({"gone": null})));
         assert!(!merge_patch_is_noop(&current, &json!({"list": [1]})));

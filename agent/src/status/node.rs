@@ -95,38 +95,21 @@ pub struct NodeReporter {
 
 /// Node names are DNS subdomains; anything else would address a different URL.
 fn valid_node_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    !name.is_empty() && name.len() <= 253 && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
 }
 
 impl NodeReporter {
-    pub fn new(
-        client: Client,
-        node: &str,
-        state: Arc<AgentState>,
-        config: NodeReporterConfig,
-    ) -> anyhow::Result<Self> {
+    pub fn new(client: Client, node: &str, state: Arc<AgentState>, config: NodeReporterConfig) -> anyhow::Result<Self> {
         if !valid_node_name(node) {
             bail!("node name {node:?} is not a valid Kubernetes node name (set --node-name / NODE_NAME)");
         }
-        Ok(NodeReporter {
-            nodes: Api::all(client.clone()),
-            client,
-            node: node.to_owned(),
-            state,
-            config,
-        })
+        Ok(NodeReporter { nodes: Api::all(client.clone()), client, node: node.to_owned(), state, config })
     }
 
     /// The condition the agent's state calls for now.
     pub fn desired(&self, stopping: bool) -> NodeCondition {
         let r = self.state.snapshot();
-        let capability = CapabilityReport {
-            missing: r.missing.clone(),
-        };
+        let capability = CapabilityReport { missing: r.missing.clone() };
         let pending = r.pending();
         let now = Time(Timestamp::now());
         if stopping {
@@ -142,25 +125,18 @@ impl NodeReporter {
         let limit = self.config.request_timeout;
         for _ in 0..ATTEMPTS {
             let mut want = self.desired(stopping);
-            let node = timed(limit, "reading own Node", self.nodes.get(&self.node))
-                .await?
-                .with_context(|| format!("reading Node {}", self.node))?;
+            let node = timed(limit, "reading own Node", self.nodes.get(&self.node)).await?.with_context(|| format!("reading Node {}", self.node))?;
             let rv = node.metadata.resource_version.clone().unwrap_or_default();
             let status = node.status.as_ref();
             let conditions = status.and_then(|s| s.conditions.as_ref());
-            let ours = conditions.and_then(|cs| {
-                cs.iter()
-                    .position(|c| c.type_ == NODE_CONDITION_AGENT_READY)
-            });
+            let ours = conditions.and_then(|cs| cs.iter().position(|c| c.type_ == NODE_CONDITION_AGENT_READY));
             let ops = match (status, conditions, ours) {
                 (_, Some(cs), Some(i)) => {
                     let have = &cs[i];
                     if have.status == want.status && have.last_transition_time.is_some() {
                         want.last_transition_time = have.last_transition_time.clone();
                     }
-                    let same = have.status == want.status
-                        && have.reason == want.reason
-                        && have.message == want.message;
+                    let same = have.status == want.status && have.reason == want.reason && have.message == want.message;
                     if same && !heartbeat {
                         return Ok(Report::Unchanged);
                     }
@@ -182,28 +158,16 @@ impl NodeReporter {
                     {"op": "add", "path": "/status", "value": {"conditions": [want]}},
                 ]),
             };
-            match timed(
-                limit,
-                "patching own Node status",
-                self.json_patch_status(&ops),
-            )
-            .await?
-            {
+            match timed(limit, "patching own Node status", self.json_patch_status(&ops)).await? {
                 Ok(_) => return Ok(Report::Written),
                 // 422: a `test` failed (the list moved); 409: a write conflict. Re-read.
                 Err(e) if matches!(api_code(&e), Some(409 | 422)) => {
                     tracing::debug!(node = %self.node, "node condition write raced with another writer: {e}");
                 }
-                Err(e) => {
-                    return Err(e)
-                        .with_context(|| format!("patching the status of Node {}", self.node))
-                }
+                Err(e) => return Err(e).with_context(|| format!("patching the status of Node {}", self.node)),
             }
         }
-        bail!(
-            "patching the status of Node {}: lost {ATTEMPTS} races with other writers",
-            self.node
-        )
+        bail!("patching the status of Node {}: lost {ATTEMPTS} races with other writers", self.node)
     }
 
     /// `Api::patch_status` with `Patch::Json` needs kube's `jsonpatch` feature; a raw

@@ -1,8 +1,6 @@
 //! Request handling: routes Kubernetes REST paths to the store, and serves watches as the
 //! real server does (a chunked stream of newline-delimited `{"type":..,"object":..}`).
-use std::{
-    collections::HashMap, collections::VecDeque, convert::Infallible, sync::Arc, time::Duration,
-};
+use std::{collections::HashMap, collections::VecDeque, convert::Infallible, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use futures::StreamExt as _;
@@ -16,8 +14,8 @@ use serde_json::{json, Value};
 use tokio::{sync::broadcast, time::Instant};
 
 use super::{
-    semantics,
     select::Selector,
+    semantics,
     store::{name_of, namespace_of, not_found, Change, ChangeType, Coll, Failure, Target},
     RecordedRequest, Shared, Signal,
 };
@@ -26,26 +24,12 @@ pub type Body = UnsyncBoxBody<Bytes, Infallible>;
 
 type Query = HashMap<String, String>;
 
-pub async fn handle(
-    shared: Arc<Shared>,
-    req: Request<Incoming>,
-) -> Result<Response<Body>, Infallible> {
+pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let (parts, body) = req.into_parts();
-    let bytes = body
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     // Apply patches are YAML by content type, but every client we care about sends JSON.
-    let body = (!bytes.is_empty()).then(|| {
-        serde_json::from_slice(&bytes)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
-    });
-    let content_type = parts
-        .headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let body = (!bytes.is_empty()).then(|| serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned())));
+    let content_type = parts.headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let query_str = parts.uri.query().unwrap_or_default();
     let request = RecordedRequest {
         method: parts.method.to_string(),
@@ -58,64 +42,32 @@ pub async fn handle(
         // A request that slipped in on a connection about to be dropped: never answer it.
         return std::future::pending().await;
     }
-    let query: Query = form_urlencoded::parse(query_str.as_bytes())
-        .into_owned()
-        .collect();
-    let response = route(
-        &shared,
-        &parts.method,
-        parts.uri.path(),
-        &query,
-        content_type.as_deref(),
-        body,
-    )
-    .unwrap_or_else(|failure| json_response(failure.code, &failure.status()));
+    let query: Query = form_urlencoded::parse(query_str.as_bytes()).into_owned().collect();
+    let response = route(&shared, &parts.method, parts.uri.path(), &query, content_type.as_deref(), body)
+        .unwrap_or_else(|failure| json_response(failure.code, &failure.status()));
     // Recorded once handled, so a watch in the log is a watch that already sees changes.
     shared.record(request);
     Ok(response)
 }
 
-fn route(
-    shared: &Arc<Shared>,
-    method: &Method,
-    path: &str,
-    query: &Query,
-    content_type: Option<&str>,
-    body: Option<Value>,
-) -> Result<Response<Body>, Failure> {
+fn route(shared: &Arc<Shared>, method: &Method, path: &str, query: &Query, content_type: Option<&str>, body: Option<Value>) -> Result<Response<Body>, Failure> {
     if path == "/version" {
         let version = json!({"major": "1", "minor": "34", "gitVersion": "v1.34.0-gardenet-double"});
         return Ok(json_response(200, &version));
     }
-    let target = Target::parse(path).ok_or_else(|| {
-        Failure::new(
-            404,
-            "NotFound",
-            "the server could not find the requested resource",
-        )
-    })?;
+    let target = Target::parse(path).ok_or_else(|| Failure::new(404, "NotFound", "the server could not find the requested resource"))?;
     let ns = target.namespace.clone().unwrap_or_default();
     let coll = &target.coll;
     let status = target.subresource.as_deref() == Some("status");
     match (method, target.name.as_deref()) {
-        (&Method::GET, None)
-            if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) =>
-        {
-            watch(shared, &target, query)
-        }
+        (&Method::GET, None) if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) => watch(shared, &target, query),
         (&Method::GET, None) => {
             let sel = selector(query)?;
             let limit = match query.get("limit") {
                 Some(l) => Some(l.parse::<usize>().map_err(|_| Failure::new(400, "BadRequest", format!("invalid limit {l:?}")))?),
                 None => None,
             };
-            let page = shared.store().list_page(
-                coll,
-                target.namespace.as_deref(),
-                |o| sel.matches(o),
-                limit,
-                query.get("continue").map(String::as_str),
-            )?;
+            let page = shared.store().list_page(coll, target.namespace.as_deref(), |o| sel.matches(o), limit, query.get("continue").map(String::as_str))?;
             let mut metadata = json!({"resourceVersion": page.rv.to_string()});
             if let Some((token, remaining)) = page.next {
                 metadata["continue"] = token.into();
@@ -133,23 +85,14 @@ fn route(
         }
         (&Method::GET, Some(name)) => {
             let store = shared.store();
-            let obj = store
-                .get(coll, &ns, name)
-                .ok_or_else(|| not_found(coll, name))?;
+            let obj = store.get(coll, &ns, name).ok_or_else(|| not_found(coll, name))?;
             Ok(json_response(200, obj))
         }
         (&Method::POST, None) => {
             let mut obj = object_body(body)?;
-            let ns = if ns.is_empty() {
-                namespace_of(&obj).to_owned()
-            } else {
-                ns
-            };
+            let ns = if ns.is_empty() { namespace_of(&obj).to_owned() } else { ns };
             if name_of(&obj).is_empty() {
-                let prefix = obj
-                    .pointer("/metadata/generateName")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default();
+                let prefix = obj.pointer("/metadata/generateName").and_then(Value::as_str).unwrap_or_default();
                 let suffix = shared.store().resource_version() + 1;
                 obj["metadata"]["name"] = format!("{prefix}{suffix:05x}").into();
             }
@@ -162,11 +105,7 @@ fn route(
             obj["metadata"]["name"] = name.into();
             if status {
                 // The status subresource only ever changes `.status`.
-                let current = shared
-                    .store()
-                    .get(coll, &ns, name)
-                    .cloned()
-                    .ok_or_else(|| not_found(coll, name))?;
+                let current = shared.store().get(coll, &ns, name).cloned().ok_or_else(|| not_found(coll, name))?;
                 let mut merged = current;
                 merged["status"] = obj["status"].take();
                 if let Some(rv) = obj.pointer("/metadata/resourceVersion") {
@@ -197,11 +136,7 @@ fn route(
             })?;
             Ok(json_response(200, &deleted))
         }
-        _ => Err(Failure::new(
-            405,
-            "MethodNotAllowed",
-            format!("{method} is not supported on {path}"),
-        )),
+        _ => Err(Failure::new(405, "MethodNotAllowed", format!("{method} is not supported on {path}"))),
     }
 }
 
@@ -222,11 +157,7 @@ fn patch(
     let apply = content_type.starts_with("application/apply-patch");
     let json_patch = content_type.starts_with("application/json-patch");
     if !apply && !json_patch && !content_type.contains("merge-patch") {
-        return Err(Failure::new(
-            415,
-            "UnsupportedMediaType",
-            format!("unsupported patch type {content_type:?}"),
-        ));
+        return Err(Failure::new(415, "UnsupportedMediaType", format!("unsupported patch type {content_type:?}")));
     }
     let mut result = None;
     shared.commit(|store| {
@@ -236,11 +167,7 @@ fn patch(
             None => return Err(not_found(coll, name)),
         };
         // A merge patch naming a resourceVersion is a precondition, as on the real server.
-        if let Some(want) = (!json_patch)
-            .then(|| patch.pointer("/metadata/resourceVersion"))
-            .flatten()
-            .and_then(Value::as_str)
-        {
+        if let Some(want) = (!json_patch).then(|| patch.pointer("/metadata/resourceVersion")).flatten().and_then(Value::as_str) {
             if !created && doc.pointer("/metadata/resourceVersion").and_then(Value::as_str) != Some(want) {
                 return Err(Failure::new(
                     409,
@@ -255,10 +182,8 @@ fn patch(
         }
         let mut patched = doc.clone();
         if json_patch {
-            let ops: json_patch::Patch = serde_json::from_value(patch)
-                .map_err(|e| Failure::new(400, "BadRequest", format!("invalid JSON patch: {e}")))?;
-            json_patch::patch(&mut patched, &ops)
-                .map_err(|e| Failure::new(422, "Invalid", format!("JSON patch failed: {e}")))?;
+            let ops: json_patch::Patch = serde_json::from_value(patch).map_err(|e| Failure::new(400, "BadRequest", format!("invalid JSON patch: {e}")))?;
+            json_patch::patch(&mut patched, &ops).map_err(|e| Failure::new(422, "Invalid", format!("JSON patch failed: {e}")))?;
         } else {
             json_patch::merge(&mut patched, &patch);
         }
@@ -290,18 +215,13 @@ fn patch(
 fn object_body(body: Option<Value>) -> Result<Value, Failure> {
     match body {
         Some(obj @ Value::Object(_)) => Ok(obj),
-        _ => Err(Failure::new(
-            400,
-            "BadRequest",
-            "the request body must be a JSON object",
-        )),
+        _ => Err(Failure::new(400, "BadRequest", "the request body must be a JSON object")),
     }
 }
 
 fn selector(query: &Query) -> Result<Selector, Failure> {
     let get = |k: &str| query.get(k).map(String::as_str);
-    Selector::parse(get("fieldSelector"), get("labelSelector"))
-        .map_err(|e| Failure::new(400, "BadRequest", e))
+    Selector::parse(get("fieldSelector"), get("labelSelector")).map_err(|e| Failure::new(400, "BadRequest", e))
 }
 
 fn json_response(code: u16, body: &Value) -> Response<Body> {
@@ -321,10 +241,7 @@ struct WatchFilter {
 
 impl WatchFilter {
     fn selects(&self, obj: &Value) -> bool {
-        self.namespace
-            .as_deref()
-            .is_none_or(|ns| namespace_of(obj) == ns)
-            && self.selector.matches(obj)
+        self.namespace.as_deref().is_none_or(|ns| namespace_of(obj) == ns) && self.selector.matches(obj)
     }
 
     /// The event line for `change`, if this watch sees it. A modification that moves an object
@@ -348,8 +265,7 @@ impl WatchFilter {
 }
 
 fn event_line(kind: &str, object: &Value) -> Bytes {
-    let mut line = serde_json::to_vec(&json!({"type": kind, "object": object}))
-        .expect("JSON values serialize");
+    let mut line = serde_json::to_vec(&json!({"type": kind, "object": object})).expect("JSON values serialize");
     line.push(b'\n');
     line.into()
 }
@@ -359,32 +275,20 @@ fn bookmark_line(coll: &Coll, rv: u64, initial_events_end: bool) -> Bytes {
     if initial_events_end {
         metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
     }
-    event_line(
-        "BOOKMARK",
-        &json!({"kind": coll.kind(), "apiVersion": coll.api_version, "metadata": metadata}),
-    )
+    event_line("BOOKMARK", &json!({"kind": coll.kind(), "apiVersion": coll.api_version, "metadata": metadata}))
 }
 
 /// A watch: replays what the client missed since its resourceVersion (or the current state for
 /// `0`/none), then follows live changes until `timeoutSeconds`, `close_watches`, or the client
 /// goes away. Watching from a compacted version yields one ERROR event (410 Expired).
 fn watch(shared: &Arc<Shared>, target: &Target, query: &Query) -> Result<Response<Body>, Failure> {
-    let filter = WatchFilter {
-        coll: target.coll.clone(),
-        namespace: target.namespace.clone(),
-        selector: selector(query)?,
-    };
+    let filter = WatchFilter { coll: target.coll.clone(), namespace: target.namespace.clone(), selector: selector(query)? };
     let flag = |k: &str| query.get(k).is_some_and(|v| v == "true");
     let bookmarks = flag("allowWatchBookmarks");
-    let timeout = query
-        .get("timeoutSeconds")
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(1800);
+    let timeout = query.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(1800);
     let from: u64 = match query.get("resourceVersion").map(String::as_str) {
         None | Some("") => 0,
-        Some(rv) => rv.parse().map_err(|_| {
-            Failure::new(400, "BadRequest", format!("invalid resourceVersion {rv:?}"))
-        })?,
+        Some(rv) => rv.parse().map_err(|_| Failure::new(400, "BadRequest", format!("invalid resourceVersion {rv:?}")))?,
     };
 
     let mut lines = VecDeque::new();
@@ -394,9 +298,7 @@ fn watch(shared: &Arc<Shared>, target: &Target, query: &Query) -> Result<Respons
     let store = shared.store();
     let signals = shared.signals.subscribe();
     if from == 0 {
-        let current = store
-            .iter(&filter.coll, filter.namespace.as_deref())
-            .filter(|o| filter.selector.matches(o));
+        let current = store.iter(&filter.coll, filter.namespace.as_deref()).filter(|o| filter.selector.matches(o));
         lines.extend(current.map(|o| event_line("ADDED", o)));
         if flag("sendInitialEvents") {
             lines.push_back(bookmark_line(&filter.coll, store.resource_version(), true));
@@ -412,23 +314,9 @@ fn watch(shared: &Arc<Shared>, target: &Target, query: &Query) -> Result<Respons
     }
     drop(store);
 
-    let state = WatchState {
-        shared: shared.clone(),
-        lines,
-        ended,
-        signals,
-        filter,
-        bookmarks,
-        deadline: Instant::now() + Duration::from_secs(timeout),
-    };
-    let body = StreamBody::new(
-        futures::stream::unfold(state, WatchState::next).map(|line| Ok(Frame::data(line))),
-    );
-    Ok(Response::builder()
-        .status(StatusCode::OK)
-        .header(CONTENT_TYPE, "application/json")
-        .body(body.boxed_unsync())
-        .expect("static response parts are valid"))
+    let state = WatchState { shared: shared.clone(), lines, ended, signals, filter, bookmarks, deadline: Instant::now() + Duration::from_secs(timeout) };
+    let body = StreamBody::new(futures::stream::unfold(state, WatchState::next).map(|line| Ok(Frame::data(line))));
+    Ok(Response::builder().status(StatusCode::OK).header(CONTENT_TYPE, "application/json").body(body.boxed_unsync()).expect("static response parts are valid"))
 }
 
 struct WatchState {
@@ -461,8 +349,7 @@ impl WatchState {
             match signal {
                 Ok(Signal::Change(change)) => self.lines.extend(self.filter.line_for(&change)),
                 Ok(Signal::Bookmark(rv)) if self.bookmarks => {
-                    self.lines
-                        .push_back(bookmark_line(&self.filter.coll, rv, false));
+                    self.lines.push_back(bookmark_line(&self.filter.coll, rv, false));
                 }
                 Ok(Signal::Bookmark(_)) => {}
                 // Lagging behind ends the watch; the client resumes from its last version.

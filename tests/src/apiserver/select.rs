@@ -22,11 +22,7 @@ enum LabelReq {
 impl Selector {
     pub fn parse(fields: Option<&str>, labels: Option<&str>) -> Result<Selector, String> {
         let mut sel = Selector::default();
-        for req in fields
-            .into_iter()
-            .flat_map(|s| s.split(','))
-            .filter(|r| !r.trim().is_empty())
-        {
+        for req in fields.into_iter().flat_map(|s| s.split(',')).filter(|r| !r.trim().is_empty()) {
             let (path, eq, value) = if let Some((k, v)) = req.split_once("!=") {
                 (k, false, v)
             } else if let Some((k, v)) = req.split_once("==").or_else(|| req.split_once('=')) {
@@ -34,8 +30,7 @@ impl Selector {
             } else {
                 return Err(format!("invalid field selector requirement {req:?}"));
             };
-            sel.fields
-                .push((path.trim().into(), eq, value.trim().into()));
+            sel.fields.push((path.trim().into(), eq, value.trim().into()));
         }
         for req in split_outside_parens(labels.unwrap_or_default()) {
             sel.labels.push(parse_label_req(req.trim())?);
@@ -86,15 +81,8 @@ fn split_outside_parens(s: &str) -> Vec<&str> {
 
 fn parse_label_req(req: &str) -> Result<LabelReq, String> {
     let set = |key: &str, rest: &str| -> Result<(String, Vec<String>), String> {
-        let inner = rest
-            .trim()
-            .strip_prefix('(')
-            .and_then(|r| r.strip_suffix(')'))
-            .ok_or_else(|| format!("invalid label selector requirement {req:?}"))?;
-        Ok((
-            key.trim().into(),
-            inner.split(',').map(|v| v.trim().to_string()).collect(),
-        ))
+        let inner = rest.trim().strip_prefix('(').and_then(|r| r.strip_suffix(')')).ok_or_else(|| format!("invalid label selector requirement {req:?}"))?;
+        Ok((key.trim().into(), inner.split(',').map(|v| v.trim().to_string()).collect()))
     };
     Ok(if let Some((k, v)) = req.split_once("!=") {
         LabelReq::Ne(k.trim().into(), v.trim().into())

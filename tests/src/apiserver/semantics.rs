@@ -9,18 +9,14 @@ use serde_json::{json, Value};
 use super::store::{Coll, Failure};
 
 /// Custom resources the double serves with a status subresource (their CRDs declare one).
-const WITH_STATUS_SUBRESOURCE: &[(&str, &str)] = &[
-    ("extensions.gardener.cloud/v1alpha1", "networks"),
-    ("resources.gardener.cloud/v1alpha1", "managedresources"),
-];
+const WITH_STATUS_SUBRESOURCE: &[(&str, &str)] =
+    &[("extensions.gardener.cloud/v1alpha1", "networks"), ("resources.gardener.cloud/v1alpha1", "managedresources")];
 
 /// Time the double stamps as `deletionTimestamp`.
 const DELETION_TIME: &str = "2025-01-01T00:00:01Z";
 
 fn has_status_subresource(coll: &Coll) -> bool {
-    WITH_STATUS_SUBRESOURCE
-        .iter()
-        .any(|(av, p)| *av == coll.api_version && *p == coll.plural)
+    WITH_STATUS_SUBRESOURCE.iter().any(|(av, p)| *av == coll.api_version && *p == coll.plural)
 }
 
 /// The real server maintains `generation` for custom resources (and some built-ins, which
@@ -30,15 +26,11 @@ fn tracks_generation(coll: &Coll) -> bool {
 }
 
 fn finalizers(obj: &Value) -> Vec<Value> {
-    obj.pointer("/metadata/finalizers")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default()
+    obj.pointer("/metadata/finalizers").and_then(Value::as_array).cloned().unwrap_or_default()
 }
 
 fn deleting(obj: &Value) -> bool {
-    obj.pointer("/metadata/deletionTimestamp")
-        .is_some_and(|t| !t.is_null())
+    obj.pointer("/metadata/deletionTimestamp").is_some_and(|t| !t.is_null())
 }
 
 /// Everything but metadata and status: what `generation` counts changes of.
@@ -91,18 +83,11 @@ pub fn on_update(coll: &Coll, current: &Value, new: &mut Value) -> Result<(), Fa
     if deleting(current) {
         let had = finalizers(current);
         if finalizers(new).iter().any(|f| !had.contains(f)) {
-            return Err(Failure::new(
-                422,
-                "Invalid",
-                "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted",
-            ));
+            return Err(Failure::new(422, "Invalid", "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted"));
         }
     }
     if tracks_generation(coll) {
-        let generation = current
-            .pointer("/metadata/generation")
-            .and_then(Value::as_i64)
-            .unwrap_or(1);
+        let generation = current.pointer("/metadata/generation").and_then(Value::as_i64).unwrap_or(1);
         let bumped = spec_part(current) != spec_part(new);
         new["metadata"]["generation"] = json!(if bumped { generation + 1 } else { generation });
     }
@@ -133,10 +118,7 @@ mod tests {
     use super::*;
 
     fn network() -> Coll {
-        Coll {
-            api_version: "extensions.gardener.cloud/v1alpha1".into(),
-            plural: "networks".into(),
-        }
+        Coll { api_version: "extensions.gardener.cloud/v1alpha1".into(), plural: "networks".into() }
     }
 
     #[test]

@@ -22,34 +22,14 @@ const KINDS: &[(&str, &str, &str, bool)] = &[
     ("v1", "ConfigMap", "configmaps", true),
     ("v1", "Endpoints", "endpoints", true),
     ("v1", "Event", "events", true),
-    (
-        "discovery.k8s.io/v1",
-        "EndpointSlice",
-        "endpointslices",
-        true,
-    ),
+    ("discovery.k8s.io/v1", "EndpointSlice", "endpointslices", true),
     ("coordination.k8s.io/v1", "Lease", "leases", true),
     ("networking.k8s.io/v1", "ServiceCIDR", "servicecidrs", false),
     ("events.k8s.io/v1", "Event", "events", true),
-    (
-        "extensions.gardener.cloud/v1alpha1",
-        "Network",
-        "networks",
-        true,
-    ),
+    ("extensions.gardener.cloud/v1alpha1", "Network", "networks", true),
     ("v1", "Secret", "secrets", true),
-    (
-        "extensions.gardener.cloud/v1alpha1",
-        "Cluster",
-        "clusters",
-        false,
-    ),
-    (
-        "resources.gardener.cloud/v1alpha1",
-        "ManagedResource",
-        "managedresources",
-        true,
-    ),
+    ("extensions.gardener.cloud/v1alpha1", "Cluster", "clusters", false),
+    ("resources.gardener.cloud/v1alpha1", "ManagedResource", "managedresources", true),
 ];
 
 impl Coll {
@@ -63,10 +43,7 @@ impl Coll {
         KINDS
             .iter()
             .find(|(av, k, _, _)| *k == kind && api_version.is_none_or(|want| want == *av))
-            .map(|(av, _, plural, _)| Coll {
-                api_version: av.to_string(),
-                plural: plural.to_string(),
-            })
+            .map(|(av, _, plural, _)| Coll { api_version: av.to_string(), plural: plural.to_string() })
     }
 
     /// The collection an object with this apiVersion and kind lives in.
@@ -74,38 +51,24 @@ impl Coll {
         let plural = KINDS
             .iter()
             .find(|(av, k, _, _)| *av == api_version && *k == kind)
-            .map_or_else(
-                || format!("{}s", kind.to_lowercase()),
-                |(_, _, p, _)| p.to_string(),
-            );
-        Coll {
-            api_version: api_version.into(),
-            plural,
-        }
+            .map_or_else(|| format!("{}s", kind.to_lowercase()), |(_, _, p, _)| p.to_string());
+        Coll { api_version: api_version.into(), plural }
     }
 
     pub fn kind(&self) -> String {
-        KINDS
-            .iter()
-            .find(|(av, _, p, _)| *av == self.api_version && *p == self.plural)
-            .map_or_else(
-                || {
-                    let singular = self.plural.strip_suffix('s').unwrap_or(&self.plural);
-                    let mut c = singular.chars();
-                    c.next()
-                        .map(|f| f.to_uppercase().chain(c).collect())
-                        .unwrap_or_default()
-                },
-                |(_, k, _, _)| k.to_string(),
-            )
+        KINDS.iter().find(|(av, _, p, _)| *av == self.api_version && *p == self.plural).map_or_else(
+            || {
+                let singular = self.plural.strip_suffix('s').unwrap_or(&self.plural);
+                let mut c = singular.chars();
+                c.next().map(|f| f.to_uppercase().chain(c).collect()).unwrap_or_default()
+            },
+            |(_, k, _, _)| k.to_string(),
+        )
     }
 
     /// Unknown kinds are assumed namespaced (as most custom resources are).
     pub fn namespaced(&self) -> bool {
-        KINDS
-            .iter()
-            .find(|(av, _, p, _)| *av == self.api_version && *p == self.plural)
-            .is_none_or(|(_, _, _, namespaced)| *namespaced)
+        KINDS.iter().find(|(av, _, p, _)| *av == self.api_version && *p == self.plural).is_none_or(|(_, _, _, namespaced)| *namespaced)
     }
 
     /// Built-in types are listed without per-item kind/apiVersion, like the real server does;
@@ -153,15 +116,7 @@ impl Target {
         if plural.is_empty() {
             return None;
         }
-        Some(Target {
-            coll: Coll {
-                api_version,
-                plural: plural.to_string(),
-            },
-            namespace,
-            name,
-            subresource,
-        })
+        Some(Target { coll: Coll { api_version, plural: plural.to_string() }, namespace, name, subresource })
     }
 }
 
@@ -195,11 +150,7 @@ pub struct Failure {
 
 impl Failure {
     pub fn new(code: u16, reason: &'static str, message: impl Into<String>) -> Self {
-        Failure {
-            code,
-            reason,
-            message: message.into(),
-        }
+        Failure { code, reason, message: message.into() }
     }
 
     pub fn status(&self) -> Value {
@@ -240,15 +191,11 @@ pub struct Page {
 }
 
 pub fn name_of(obj: &Value) -> &str {
-    obj.pointer("/metadata/name")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
+    obj.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default()
 }
 
 pub fn namespace_of(obj: &Value) -> &str {
-    obj.pointer("/metadata/namespace")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
+    obj.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or_default()
 }
 
 impl Store {
@@ -277,8 +224,13 @@ impl Store {
     ) -> Result<Page, Failure> {
         let (rv, mut rest) = match cont.filter(|c| !c.is_empty()) {
             Some(token) => {
-                let expired = || Failure::new(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.");
-                let id = token.strip_prefix(CONTINUE_PREFIX).and_then(|n| n.parse().ok()).ok_or_else(|| Failure::new(400, "BadRequest", format!("invalid continue token {token:?}")))?;
+                let expired = || {
+                    Failure::new(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.")
+                };
+                let id = token
+                    .strip_prefix(CONTINUE_PREFIX)
+                    .and_then(|n| n.parse().ok())
+                    .ok_or_else(|| Failure::new(400, "BadRequest", format!("invalid continue token {token:?}")))?;
                 self.pages.remove(&id).ok_or_else(expired)?
             }
             None => {
@@ -304,28 +256,16 @@ impl Store {
     }
 
     pub fn get(&self, coll: &Coll, ns: &str, name: &str) -> Option<&Value> {
-        self.objects
-            .get(coll)?
-            .get(&(ns.to_string(), name.to_string()))
+        self.objects.get(coll)?.get(&(ns.to_string(), name.to_string()))
     }
 
     /// Objects of `coll` (in `ns` if given), as stored.
     pub fn iter<'a>(&'a self, coll: &Coll, ns: Option<&'a str>) -> impl Iterator<Item = &'a Value> {
-        self.objects
-            .get(coll)
-            .into_iter()
-            .flat_map(|objs| objs.iter())
-            .filter(move |((o_ns, _), _)| ns.is_none_or(|ns| ns == o_ns))
-            .map(|(_, obj)| obj)
+        self.objects.get(coll).into_iter().flat_map(|objs| objs.iter()).filter(move |((o_ns, _), _)| ns.is_none_or(|ns| ns == o_ns)).map(|(_, obj)| obj)
     }
 
     /// Objects of `coll` (in `ns` if given), ready for a list response, and the list's RV.
-    pub fn list(
-        &self,
-        coll: &Coll,
-        ns: Option<&str>,
-        keep: impl Fn(&Value) -> bool,
-    ) -> (Vec<Value>, u64) {
+    pub fn list(&self, coll: &Coll, ns: Option<&str>, keep: impl Fn(&Value) -> bool) -> (Vec<Value>, u64) {
         let strip = coll.builtin();
         let items = self
             .iter(coll, ns)
@@ -347,11 +287,7 @@ impl Store {
     /// The changes after `rv`, or `Expired` if the log no longer reaches back that far.
     pub fn changes_since(&self, rv: u64) -> Result<impl Iterator<Item = &Change>, Failure> {
         if rv < self.compacted_below {
-            return Err(Failure::new(
-                410,
-                "Expired",
-                format!("too old resource version: {rv} ({})", self.compacted_below),
-            ));
+            return Err(Failure::new(410, "Expired", format!("too old resource version: {rv} ({})", self.compacted_below)));
         }
         Ok(self.log.iter().filter(move |c| c.rv > rv))
     }
@@ -359,11 +295,7 @@ impl Store {
     /// Creates the object, failing if it exists.
     pub fn create(&mut self, coll: &Coll, ns: &str, obj: Value) -> Result<&Change, Failure> {
         if self.get(coll, ns, name_of(&obj)).is_some() {
-            return Err(Failure::new(
-                409,
-                "AlreadyExists",
-                format!("{} \"{}\" already exists", coll.plural, name_of(&obj)),
-            ));
+            return Err(Failure::new(409, "AlreadyExists", format!("{} \"{}\" already exists", coll.plural, name_of(&obj))));
         }
         Ok(self.put(coll, ns, obj))
     }
@@ -375,13 +307,8 @@ impl Store {
         let Some(current) = self.get(coll, ns, name) else {
             return Err(not_found(coll, name));
         };
-        if let Some(want) = obj
-            .pointer("/metadata/resourceVersion")
-            .and_then(Value::as_str)
-        {
-            let have = current
-                .pointer("/metadata/resourceVersion")
-                .and_then(Value::as_str);
+        if let Some(want) = obj.pointer("/metadata/resourceVersion").and_then(Value::as_str) {
+            let have = current.pointer("/metadata/resourceVersion").and_then(Value::as_str);
             if have != Some(want) {
                 return Err(Failure::new(
                     409,
@@ -402,16 +329,8 @@ impl Store {
         self.rv += 1;
         let name = name_of(&obj).to_string();
         let key = (ns.to_string(), name);
-        let old = self
-            .objects
-            .get(coll)
-            .and_then(|objs| objs.get(&key))
-            .cloned();
-        let meta = obj
-            .as_object_mut()
-            .expect("objects are JSON objects")
-            .entry("metadata")
-            .or_insert_with(|| json!({}));
+        let old = self.objects.get(coll).and_then(|objs| objs.get(&key)).cloned();
+        let meta = obj.as_object_mut().expect("objects are JSON objects").entry("metadata").or_insert_with(|| json!({}));
         if !ns.is_empty() {
             meta["namespace"] = ns.into();
         }
@@ -434,51 +353,24 @@ impl Store {
         }
         obj["apiVersion"] = coll.api_version.clone().into();
         obj["kind"] = coll.kind().into();
-        self.objects
-            .entry(coll.clone())
-            .or_default()
-            .insert(key, obj.clone());
-        let kind = if old.is_some() {
-            ChangeType::Modified
-        } else {
-            ChangeType::Added
-        };
-        self.log.push(Change {
-            rv: self.rv,
-            coll: coll.clone(),
-            kind,
-            old,
-            new: obj,
-        });
+        self.objects.entry(coll.clone()).or_default().insert(key, obj.clone());
+        let kind = if old.is_some() { ChangeType::Modified } else { ChangeType::Added };
+        self.log.push(Change { rv: self.rv, coll: coll.clone(), kind, old, new: obj });
         self.log.last().expect("just pushed")
     }
 
     pub fn remove(&mut self, coll: &Coll, ns: &str, name: &str) -> Result<&Change, Failure> {
         let key = (ns.to_string(), name.to_string());
-        let mut obj = self
-            .objects
-            .get_mut(coll)
-            .and_then(|objs| objs.remove(&key))
-            .ok_or_else(|| not_found(coll, name))?;
+        let mut obj = self.objects.get_mut(coll).and_then(|objs| objs.remove(&key)).ok_or_else(|| not_found(coll, name))?;
         self.rv += 1;
         obj["metadata"]["resourceVersion"] = self.rv.to_string().into();
-        self.log.push(Change {
-            rv: self.rv,
-            coll: coll.clone(),
-            kind: ChangeType::Deleted,
-            old: None,
-            new: obj,
-        });
+        self.log.push(Change { rv: self.rv, coll: coll.clone(), kind: ChangeType::Deleted, old: None, new: obj });
         Ok(self.log.last().expect("just pushed"))
     }
 }
 
 pub fn not_found(coll: &Coll, name: &str) -> Failure {
-    Failure::new(
-        404,
-        "NotFound",
-        format!("{} \"{name}\" not found", coll.plural),
-    )
+    Failure::new(404, "NotFound", format!("{} \"{name}\" not found", coll.plural))
 }
 
 #[cfg(test)]
@@ -488,44 +380,23 @@ mod tests {
     #[test]
     fn parses_paths() {
         let t = Target::parse("/api/v1/namespaces/ns1/services/web").unwrap();
-        assert_eq!(
-            t.coll,
-            Coll {
-                api_version: "v1".into(),
-                plural: "services".into()
-            }
-        );
-        assert_eq!(
-            (t.namespace.as_deref(), t.name.as_deref()),
-            (Some("ns1"), Some("web"))
-        );
+        assert_eq!(t.coll, Coll { api_version: "v1".into(), plural: "services".into() });
+        assert_eq!((t.namespace.as_deref(), t.name.as_deref()), (Some("ns1"), Some("web")));
         let t = Target::parse("/apis/discovery.k8s.io/v1/endpointslices").unwrap();
         assert_eq!(t.coll.api_version, "discovery.k8s.io/v1");
         assert_eq!((t.namespace, t.name), (None, None));
         let t = Target::parse("/api/v1/nodes/n1/status").unwrap();
         assert_eq!(t.subresource.as_deref(), Some("status"));
         let t = Target::parse("/api/v1/namespaces/ns1/status").unwrap();
-        assert_eq!(
-            (t.coll.plural.as_str(), t.name.as_deref()),
-            ("namespaces", Some("ns1"))
-        );
+        assert_eq!((t.coll.plural.as_str(), t.name.as_deref()), ("namespaces", Some("ns1")));
         assert!(Target::parse("/healthz").is_none());
     }
 
     #[test]
     fn kinds() {
-        assert_eq!(
-            Coll::of_kind("EndpointSlice").unwrap().api_version,
-            "discovery.k8s.io/v1"
-        );
-        assert_eq!(
-            Coll::of_kind("events.k8s.io/v1/Event").unwrap().api_version,
-            "events.k8s.io/v1"
-        );
-        let c = Coll {
-            api_version: "example.com/v1".into(),
-            plural: "widgets".into(),
-        };
+        assert_eq!(Coll::of_kind("EndpointSlice").unwrap().api_version, "discovery.k8s.io/v1");
+        assert_eq!(Coll::of_kind("events.k8s.io/v1/Event").unwrap().api_version, "events.k8s.io/v1");
+        let c = Coll { api_version: "example.com/v1".into(), plural: "widgets".into() };
         assert_eq!(c.kind(), "Widget");
         assert!(c.namespaced());
     }

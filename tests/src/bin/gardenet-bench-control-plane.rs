@@ -616,7 +616,8 @@ fn run_pipeline<M: LbMaps + Dump>(a: &Args, maps: M, world: &mut World, pin_dir:
         if orphans > 0 {
             bad.push(format!("{orphans} backends in the map that no slot references"));
         }
-        rep.verified = Some(if bad.is_empty() { Ok(want_total) } else { Err(format!("{} mismatches, first: {}", bad.len(), bad[..bad.len().min(3)].join("; "))) });
+        rep.verified =
+            Some(if bad.is_empty() { Ok(want_total) } else { Err(format!("{} mismatches, first: {}", bad.len(), bad[..bad.len().min(3)].join("; "))) });
     }
     Ok(rep)
 }
@@ -735,7 +736,6 @@ fn agent_process(bin: &Path, source: &[String], pin: &Path) -> Result<AgentRun> 
     let ready_line = line.split("ready:").nth(1).map(|s| format!("ready:{s}")).unwrap_or(line);
     Ok(AgentRun { ready, ready_line, hwm_kib: hwm, rss_kib: rss, frontends })
 }
-
 
 fn strip_ansi(s: &str) -> String {
     let mut out = String::new();
@@ -879,12 +879,7 @@ fn print_report(a: &Args, rep: &Report, load_before: &str) {
 
     println!("| metric | value | target | met? |");
     println!("|---|---|---|---|");
-    println!(
-        "| full sync: {} objects -> all maps written | {:.0} ms | < 2 s | {} |",
-        2 * a.services,
-        ms(r.sync),
-        yes(r.sync < Duration::from_secs(2))
-    );
+    println!("| full sync: {} objects -> all maps written | {:.0} ms | < 2 s | {} |", 2 * a.services, ms(r.sync), yes(r.sync < Duration::from_secs(2)));
     println!(
         "| one EndpointSlice change -> its map writes, p50 / p90 / p99 / max | {:.1} / {:.1} / {:.1} / {:.1} µs | p99 < 5 ms | {} |",
         us(cd.p50),
@@ -948,7 +943,8 @@ fn print_report(a: &Args, rep: &Report, load_before: &str) {
         x.2 = x.2.max(*w);
         x.3 += 1;
     }
-    let kinds: Vec<String> = by_kind.iter().map(|(k, (e, mn, mx, n))| format!("{k} ({n}x, {e} endpoint-port change{}): {mn}-{mx} writes", if *e > 1 { "s" } else { "" })).collect();
+    let kinds: Vec<String> =
+        by_kind.iter().map(|(k, (e, mn, mx, n))| format!("{k} ({n}x, {e} endpoint-port change{}): {mn}-{mx} writes", if *e > 1 { "s" } else { "" })).collect();
     println!("- writes per change by kind: {}", kinds.join("; "));
     println!(
         "- RSS: {:.1} MiB at start, {:.1} MiB with the Services digested (+{:.1} KiB each), {:.1} MiB with the EndpointSlices too (+{:.1} KiB each), {:.1} MiB after the sync (the pipeline owns the digests), peak {:.1} MiB; inline sizes: ServiceView {} B, SliceView {} B, EndpointView {} B (k8s-openapi: Service {} B, EndpointSlice {} B, Endpoint {} B)",
@@ -969,7 +965,12 @@ fn print_report(a: &Args, rep: &Report, load_before: &str) {
     if let Some(m) = r.maps_mem.as_ref().filter(|m| !m.is_empty()) {
         let total: u64 = m.iter().map(|x| x.2).sum();
         let each: Vec<String> = m.iter().filter(|x| x.2 >= 1 << 20).map(|(n, e, b)| format!("{n} {:.1} MiB ({e} entries)", *b as f64 / 1048576.0)).collect();
-        println!("- kernel map memory (bpftool `bytes_memlock`; not part of RSS): {:.1} MiB in {} maps: {}", total as f64 / 1048576.0, m.len(), each.join(", "));
+        println!(
+            "- kernel map memory (bpftool `bytes_memlock`; not part of RSS): {:.1} MiB in {} maps: {}",
+            total as f64 / 1048576.0,
+            m.len(),
+            each.join(", ")
+        );
     }
     println!("- pipeline counters: {} translation problems, {} map errors", r.problems, r.map_errors);
     if let Some(m) = &rep.mem {

@@ -289,7 +289,13 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results) 
         for k in 0..modes.len() {
             let m = &modes[(k + r) % modes.len()];
             let (ps, errors, v) = tcp_run(lab, m, r, args.count)?;
-            eprintln!("bench: {n:>6} services  {:<28} run {}: {:>8.0} conn/s{}", m.row, r + 1, ps, if errors > 0 { format!("  ERRORS {v}") } else { String::new() });
+            eprintln!(
+                "bench: {n:>6} services  {:<28} run {}: {:>8.0} conn/s{}",
+                m.row,
+                r + 1,
+                ps,
+                if errors > 0 { format!("  ERRORS {v}") } else { String::new() }
+            );
             let cell = res.cell(&m.row, n);
             cell.samples.push(ps);
             cell.errors += errors;
@@ -387,10 +393,7 @@ fn kube_ruleset(n: usize) -> String {
         let port_name = format!("lab/{}:p-tcp", svc_name(i));
         let svc = format!("KUBE-SVC-{}", chain_hash(&format!("{port_name}tcp")));
         chains.push_str(&format!(":{svc} - [0:0]\n"));
-        rules.push_str(&format!(
-            "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{port_name} cluster IP\" -m tcp --dport {PORT} -j {svc}\n",
-            vip(i)
-        ));
+        rules.push_str(&format!("-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{port_name} cluster IP\" -m tcp --dport {PORT} -j {svc}\n", vip(i)));
         for b in 0..nbe() {
             let ep = format!("{}:{SERVER_PORT}", backend_ip(b));
             let sep = format!("KUBE-SEP-{}", chain_hash(&format!("{port_name}tcp{ep}")));
@@ -513,10 +516,8 @@ fn phase_socket_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         let d = wait_programmed(&agent, n, t0, Duration::from_secs(args.program_timeout_s))?;
         res.timing(format!("phase A: manifest rewritten with {n} services -> all programmed (lb list)"), d);
         let v = vip(measured(n));
-        let modes = [
-            Mode { row: ROW_DIRECT.into(), in_cgroup: false, target: Target::Direct },
-            Mode { row: ROW_SOCK.into(), in_cgroup: true, target: Target::Vip(v) },
-        ];
+        let modes =
+            [Mode { row: ROW_DIRECT.into(), in_cgroup: false, target: Target::Direct }, Mode { row: ROW_SOCK.into(), in_cgroup: true, target: Target::Vip(v) }];
         measure(lab, &modes, n, args, res)?;
     }
     Ok(())
@@ -567,9 +568,8 @@ fn stale_ct_probe(lab: &Lab, n: usize, res: &mut Results) -> Result<()> {
         failed += v["errors"].as_object().into_iter().flatten().map(|(_, n)| n.as_u64().unwrap_or(0)).sum::<u64>();
         total += per as u64;
     }
-    let line = format!(
-        "TC phase, {n} services: {failed} of {total} direct connections (client -> backend IP, right after the TC LB runs) failed (300 ms timeout)"
-    );
+    let line =
+        format!("TC phase, {n} services: {failed} of {total} direct connections (client -> backend IP, right after the TC LB runs) failed (300 ms timeout)");
     eprintln!("bench: {line}");
     res.probes.push(line);
     Ok(())
@@ -726,12 +726,8 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
             o.push_str(&format!("- {p}\n"));
         }
     }
-    let errs: Vec<String> = res
-        .cells
-        .iter()
-        .filter(|(_, c)| c.errors > 0)
-        .map(|((r, n), c)| format!("- {r}, {n} services: {} errors: {}", c.errors, c.notes.join(" ")))
-        .collect();
+    let errs: Vec<String> =
+        res.cells.iter().filter(|(_, c)| c.errors > 0).map(|((r, n), c)| format!("- {r}, {n} services: {} errors: {}", c.errors, c.notes.join(" "))).collect();
     if !errs.is_empty() {
         o.push_str("\nErrors:\n\n");
         o.push_str(&errs.join("\n"));

@@ -293,7 +293,11 @@ fn tcp(to: SocketAddr, count: u32, timeout: Duration, bind_port: Option<u16>) ->
 
 /// The wildcard address of `to`'s family, port 0 (a client socket's local address).
 fn any_for(to: SocketAddr) -> SocketAddr {
-    if to.is_ipv6() { "[::]:0".parse().unwrap() } else { "0.0.0.0:0".parse().unwrap() }
+    if to.is_ipv6() {
+        "[::]:0".parse().unwrap()
+    } else {
+        "0.0.0.0:0".parse().unwrap()
+    }
 }
 
 fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool, bind_port: Option<u16>, interval: Duration, trace: bool) -> Result<()> {
