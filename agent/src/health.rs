@@ -264,11 +264,37 @@ pub async fn serve_proxy_healthz(listener: TcpListener, state: Arc<AgentState>) 
     serve_http(listener, "proxy health endpoint", move |req| proxy_health(req.method(), req.uri().path(), &state)).await
 }
 
+/// What one HTTP server of the agent tolerates from its clients (scrapers, probes, and on
+/// healthCheckNodePorts anyone who can reach the node).
+#[derive(Clone, Copy, Debug)]
+pub struct HttpLimits {
+    /// A client must send a whole request head within this (also on a kept-alive
+    /// connection): a slow or silent client does not hold a connection.
+    pub header_read_timeout: Duration,
+    /// Connections served at once; more are closed right after accept, so a flood cannot take
+    /// the agent's file descriptors (which its map writes need).
+    pub max_connections: usize,
+    /// Largest request head; a larger one gets `431`.
+    pub max_head_bytes: usize,
+}
+
+pub const HTTP_LIMITS: HttpLimits = HttpLimits { header_read_timeout: HEADER_READ_TIMEOUT, max_connections: 256, max_head_bytes: 16 * 1024 };
+
 /// Accepts HTTP/1 connections on `listener` and answers every request with `respond`.
 async fn serve_http<F>(listener: TcpListener, what: &'static str, respond: F) -> anyhow::Result<()>
 where
     F: Fn(&Request<Incoming>) -> Response<Full<Bytes>> + Clone + Send + Sync + 'static,
 {
+    serve_http_limited(listener, what, HTTP_LIMITS, respond).await
+}
+
+/// [`serve_http`] with explicit limits. Request bodies are never read (every endpoint is a
+/// GET), so a large body costs nothing but the connection.
+pub async fn serve_http_limited<F>(listener: TcpListener, what: &'static str, limits: HttpLimits, respond: F) -> anyhow::Result<()>
+where
+    F: Fn(&Request<Incoming>) -> Response<Full<Bytes>> + Clone + Send + Sync + 'static,
+{
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     loop {
         let tcp = match listener.accept().await {
             Ok((tcp, _)) => tcp,
@@ -279,13 +305,23 @@ where
                 continue;
             }
         };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::debug!("{what}: {} connections open; closing a new one", limits.max_connections);
+            drop(tcp);
+            continue;
+        };
         let respond = respond.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let service = service_fn(move |req| {
                 let response = respond(&req);
                 async move { Ok::<_, Infallible>(response) }
             });
-            let conn = http1::Builder::new().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).serve_connection(TokioIo::new(tcp), service);
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .max_buf_size(limits.max_head_bytes.max(8192))
+                .serve_connection(TokioIo::new(tcp), service);
             if let Err(e) = conn.await {
                 tracing::debug!("{what} connection: {e}");
             }
@@ -415,6 +451,60 @@ mod tests {
         state.set_synced(true); // a later flush: last_sync moves, the verdict does not
         assert!(!rx.has_changed().unwrap());
         assert!(state.snapshot().last_sync.is_some());
+    }
+
+    /// Raw bytes in, the first response line out (empty if the server closed without one).
+    async fn exchange(addr: SocketAddr, raw: &[u8]) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = s.write_all(raw).await;
+        let mut out = Vec::new();
+        let _ = timeout(PATIENCE, s.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).lines().next().unwrap_or_default().to_owned()
+    }
+
+    #[tokio::test]
+    async fn hostile_requests_get_errors_and_never_stall_the_server() {
+        use tokio::io::AsyncReadExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = HttpLimits { header_read_timeout: Duration::from_millis(300), max_connections: 8, max_head_bytes: 8192 };
+        let task = tokio::spawn(serve_http_limited(listener, "test", limits, |_| text(StatusCode::OK, "ok\n".into())));
+        // Malformed request line, oversized head, binary junk: an error status, no hang.
+        assert!(exchange(addr, b"NONSENSE\r\n\r\n").await.starts_with("HTTP/1.1 400"));
+        let big = format!("GET / HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "a".repeat(64 * 1024));
+        assert!(exchange(addr, big.as_bytes()).await.starts_with("HTTP/1.1 431"));
+        assert!(exchange(addr, &[0u8, 0xff, 0x13, 0x37, b'\n', b'\n']).await.starts_with("HTTP/1.1 400"));
+        // Silent clients fill every slot: further connections are closed at once, and the
+        // silent ones are cut after the header timeout, after which requests are served again.
+        let mut silent = Vec::new();
+        for _ in 0..8 {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(exchange(addr, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await, "", "over the limit: closed");
+        for mut s in silent {
+            let mut buf = Vec::new();
+            let n = timeout(PATIENCE, s.read_to_end(&mut buf)).await.expect("a silent client is cut off");
+            assert!(n.is_ok());
+        }
+        assert!(exchange(addr, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.starts_with("HTTP/1.1 200"));
+        // A slow client that dribbles its head is cut off too.
+        let t0 = std::time::Instant::now();
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        {
+            use tokio::io::AsyncWriteExt;
+            for b in b"GET / HT" {
+                if slow.write_all(&[*b]).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        let mut buf = Vec::new();
+        let _ = timeout(PATIENCE, slow.read_to_end(&mut buf)).await.expect("closed");
+        assert!(t0.elapsed() < PATIENCE);
+        task.abort();
     }
 
     #[tokio::test]

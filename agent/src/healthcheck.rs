@@ -3,14 +3,12 @@
 //! balancers only send traffic to nodes that can serve it locally.
 use std::{
     collections::BTreeMap,
-    convert::Infallible,
     net::SocketAddr,
     sync::{Arc, RwLock},
 };
 
 use http_body_util::Full;
-use hyper::{body::Bytes, server::conn::http1, service::service_fn, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper::{body::Bytes, Response, StatusCode};
 use tokio::{net::TcpListener, task::JoinHandle};
 
 use crate::translate::HealthCheck;
@@ -68,30 +66,24 @@ async fn serve(port: u16, state: Shared) {
             return;
         }
     };
-    loop {
-        let Ok((s, _)) = l.accept().await else { continue };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |_req| {
-                let hc = state.read().unwrap().get(&port).cloned();
-                async move {
-                    let (code, body) = match hc {
-                        Some(hc) if hc.local_endpoints > 0 => (StatusCode::OK, body(&hc)),
-                        Some(hc) => (StatusCode::SERVICE_UNAVAILABLE, body(&hc)),
-                        None => (StatusCode::NOT_FOUND, String::new()),
-                    };
-                    Ok::<_, Infallible>(
-                        Response::builder()
-                            .status(code)
-                            .header("Content-Type", "application/json")
-                            .header("X-Content-Type-Options", "nosniff")
-                            .body(Full::new(Bytes::from(body)))
-                            .unwrap(),
-                    )
-                }
-            });
-            let _ = http1::Builder::new().serve_connection(TokioIo::new(s), svc).await;
-        });
+    // The port is open to anyone who reaches the node: the agent's hardened server (header
+    // timeout, bounded connections and request heads, accept errors backed off).
+    let respond = move |_req: &hyper::Request<hyper::body::Incoming>| {
+        let hc = state.read().unwrap().get(&port).cloned();
+        let (code, body) = match hc {
+            Some(hc) if hc.local_endpoints > 0 => (StatusCode::OK, body(&hc)),
+            Some(hc) => (StatusCode::SERVICE_UNAVAILABLE, body(&hc)),
+            None => (StatusCode::NOT_FOUND, String::new()),
+        };
+        Response::builder()
+            .status(code)
+            .header("Content-Type", "application/json")
+            .header("X-Content-Type-Options", "nosniff")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap_or_default()
+    };
+    if let Err(e) = crate::health::serve_http_limited(l, "healthCheckNodePort", crate::health::HTTP_LIMITS, respond).await {
+        tracing::warn!("healthCheckNodePort {port}: {e:#}");
     }
 }
 

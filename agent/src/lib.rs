@@ -1,4 +1,5 @@
 //! gardenet agent: sources -> desired-state model -> map writer -> eBPF.
+pub mod commands;
 pub mod dataplane;
 pub mod events;
 pub mod features;

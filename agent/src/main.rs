@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use gardenet_agent::{dataplane, run};
+use gardenet_agent::{commands, dataplane, run};
 
 /// gardenet: eBPF Service load balancing (a kube-proxy replacement).
 #[derive(Parser)]
@@ -62,10 +62,10 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Run(args) => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(run::run(*args)),
-        Cmd::Lb { cmd: LbCmd::List { json, bpffs } } => run::lb_list(&bpffs, json),
+        Cmd::Lb { cmd: LbCmd::List { json, bpffs } } => commands::lb_list(&bpffs, json),
         Cmd::Links { json, bpffs, state_dir, config, interfaces } => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?
-            .block_on(run::links_report(&bpffs, state_dir, config.as_deref(), &interfaces, json)),
+            .block_on(commands::links_report(&bpffs, state_dir, config.as_deref(), &interfaces, json)),
     }
 }
