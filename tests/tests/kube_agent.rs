@@ -185,3 +185,76 @@ async fn agent_stays_passive_while_kube_proxy_routes_services() {
     agent.terminate();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 14: a restarted agent whose API server is unreachable deletes nothing and keeps
+/// serving what the pinned maps hold until its watches have synced; then it catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_while_the_api_server_is_unreachable_loses_nothing() {
+    let lab = Lab::new(3).unwrap();
+    let api = ApiServer::start().await;
+    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir);
+    api.apply(service("web", "198.19.0.10", 80));
+    api.apply(slice("web", &[0, 1, 2]));
+    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "lab-node"},
+                     "status": {"addresses": [{"type": "InternalIP", "address": "198.18.2.1"}]}}));
+    let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}k", lab.tag));
+    // Also on failure: the pins (and with them the links they hold) and the kubeconfig go.
+    struct Cleanup(Vec<std::path::PathBuf>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for d in &self.0 {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        }
+    }
+    let _cleanup = Cleanup(vec![bpffs.clone(), dir.clone()]);
+    let flags = ["--kube-proxy-enabled", "false", "--xdp-mode", "off"];
+    let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &[&["--reset"][..], &flags[..]].concat());
+    wait_for(&rx, "ready:");
+    let to = "198.19.0.10:80";
+    let v = tokio::task::block_in_place(|| lab.client_json(true, &["tcp", "--to", to, "--count", "60"])).unwrap();
+    assert_eq!(counts(&v).len(), 3, "{v}");
+
+    // The API server goes away, the agent restarts (as in an upgrade: pins and links stay),
+    // and while it cannot list, be2 leaves the Service.
+    api.set_unavailable(true);
+    agent.terminate();
+    api.apply(slice("web", &[0, 2]));
+    let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &flags);
+    let t0 = Instant::now();
+    let (mut failed, mut rounds) = (0u64, 0u32);
+    let mut served: std::collections::BTreeMap<String, u64> = Default::default();
+    while t0.elapsed() < Duration::from_secs(10) {
+        let v = tokio::task::block_in_place(|| lab.client_json(true, &["tcp", "--to", to, "--count", "20", "--timeout-ms", "1000"])).unwrap();
+        for (n, c) in counts(&v) {
+            *served.entry(n).or_default() += c;
+        }
+        failed += v["errors"].as_object().map_or(0, |e| e.values().filter_map(|n| n.as_u64()).sum());
+        rounds += 1;
+    }
+    eprintln!("API server unreachable for 10 s after the restart: served {served:?}, {failed} failed, {rounds} rounds");
+    assert_eq!(failed, 0);
+    // Nothing was deleted or changed before the sync: be2 still gets its share.
+    assert_eq!(served.len(), 3, "the restarted agent keeps what the pins hold until it has synced: {served:?}");
+
+    // The API server returns: the agent syncs and be2 stops getting new connections.
+    api.set_unavailable(false);
+    wait_for(&rx, "ready:");
+    let mut gone = false;
+    for _ in 0..50 {
+        let v = tokio::task::block_in_place(|| lab.client_json(true, &["tcp", "--to", to, "--count", "60"])).unwrap();
+        if counts(&v).iter().all(|(n, _)| n != "be2") && counts(&v).len() == 2 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "after the sync the change made while the agent was blind is programmed");
+    agent.terminate();
+    // Detach what the agents left attached (no --detach-on-exit above: pins had to survive).
+    let (mut cleanup, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &[&["--detach-on-exit"][..], &flags[..]].concat());
+    wait_for(&rx, "ready:");
+    cleanup.terminate();
+}

@@ -79,7 +79,7 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
         let mut cmd = lab
             .client_cmd(
                 true,
-                &["udp", "--to", &format!("{DNS_VIP}:53"), "--count", "400", "--fresh-socket", "--timeout-ms", "150", "--interval-ms", "10", "--trace"],
+                &["udp", "--to", &format!("{DNS_VIP}:53"), "--count", "700", "--fresh-socket", "--timeout-ms", "150", "--interval-ms", "10", "--trace"],
             )
             .unwrap();
         cmd.stdout(std::process::Stdio::piped());
@@ -110,10 +110,12 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
         lost.len(),
         lost_after_stop
     );
-    // Queries before the stop all went to the cache, those well after it to the endpoints.
-    assert!(trace.iter().filter(|(t, _)| *t < stopped).all(|(_, a)| a == "cache"), "{v}");
+    // Queries before the stop (and not in flight at it: 150 ms timeout) all went to the cache,
+    // those well after it to the endpoints, those well after the restart to the cache again.
+    assert!(trace.iter().filter(|(t, _)| *t + 200 < stopped).all(|(_, a)| a == "cache"), "{v}");
     assert!(trace.iter().filter(|(t, _)| *t > stopped + 1000 && *t < restarted).all(|(_, a)| a.starts_with("be")), "{v}");
-    assert!(trace.iter().rev().take(20).all(|(_, a)| a == "cache"), "back on the cache at the end: {v}");
+    let after_restart: Vec<&String> = trace.iter().filter(|(t, _)| *t > restarted + 1000).map(|(_, a)| a).collect();
+    assert!(!after_restart.is_empty() && after_restart.iter().all(|a| *a == "cache"), "back on the cache after the restart: {v}");
     // The switch follows the socket's close (sock_diag destroy notification), so at most the
     // queries in flight at that moment can be lost.
     assert!(lost.len() <= 3, "lost queries at {lost:?} (stop at {stopped}, restart at {restarted})");
