@@ -218,7 +218,7 @@ proptest! {
             prop_assert!(spec.source_ranges.iter().all(|c| c.addr.is_ipv4() == fe.addr.is_ipv4()));
         }
         prop_assert!(t.problems.iter().all(|p| p.service == "ns/s"));
-        if TRANSLATED.load(std::sync::atomic::Ordering::Relaxed) % 500 == 0 {
+        if TRANSLATED.load(std::sync::atomic::Ordering::Relaxed).is_multiple_of(500) {
             eprintln!("translated {} generated Services so far", TRANSLATED.load(std::sync::atomic::Ordering::Relaxed));
         }
         if no_eips {
