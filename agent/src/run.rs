@@ -354,6 +354,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 metrics.set_programmed(lb.frontend_count(), lb.backend_count(), pipeline.service_count());
                 metrics.set_map_fill("services", lb.service_entries(), map_services);
                 metrics.set_map_fill("backends", lb.backend_count(), map_backends);
+                metrics.set_map_fill("service_nets", pipeline.service_nets().len(), gardenet_common::DEFAULT_SERVICE_NETS_MAX as usize);
                 state.set_synced(pipeline.is_synced());
                 health_checks.update(pipeline.health_checks());
                 if rep.services > 0 {

@@ -32,6 +32,20 @@ fn slice(svc: &str, backends: &[usize]) -> serde_json::Value {
            "addressType": "IPv4", "ports": [{"name": "p-tcp", "port": SERVER_PORT, "protocol": "TCP"}], "endpoints": eps})
 }
 
+/// This lab's Node as the API server holds it.
+fn lab_node() -> serde_json::Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "lab-node"},
+           "status": {"addresses": [{"type": "InternalIP", "address": "198.18.2.1"}]}})
+}
+
+/// A scratch directory for the test with a kubeconfig for `api` in it.
+fn kubeconfig_dir(lab: &Lab, api: &ApiServer) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir);
+    (dir, kubeconfig)
+}
+
 /// `gardenet-agent run --source kube` against `kubeconfig`, socket LB on the lab's cgroup, no
 /// interface selected; `extra` flags are appended. Returns the process and its log lines.
 fn spawn_agent(lab: &Lab, kubeconfig: &std::path::Path, bpffs: &std::path::Path, dir: &std::path::Path, extra: &[&str]) -> (Proc, mpsc::Receiver<String>) {
@@ -74,17 +88,14 @@ fn wait_for(rx: &mpsc::Receiver<String>, needle: &str) -> Vec<String> {
 async fn agent_follows_the_api_server_and_reports_bad_services() {
     let lab = Lab::new(3).unwrap();
     let api = ApiServer::start().await;
-    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
-    std::fs::create_dir_all(&dir).unwrap();
-    let kubeconfig = api.kubeconfig(&dir);
+    let (dir, kubeconfig) = kubeconfig_dir(&lab, &api);
     api.apply(service("web", "198.19.0.10", 80));
     api.apply(slice("web", &[0, 1, 2]));
     // Two Services claiming one frontend: the second cannot be programmed.
     api.apply(service("zz-clash", "198.19.0.10", 80));
     // A slice whose Service does not exist.
     api.apply(slice("ghost", &[1]));
-    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "lab-node"},
-                     "status": {"addresses": [{"type": "InternalIP", "address": "198.18.2.1"}]}}));
+    api.apply(lab_node());
 
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}k", lab.tag));
     let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--reset", "--detach-on-exit", "--kube-proxy-enabled", "false", "--xdp-mode", "off"]);
@@ -148,9 +159,7 @@ async fn agent_follows_the_api_server_and_reports_bad_services() {
 async fn agent_reads_its_network_config_from_the_network_object() {
     let lab = Lab::new(1).unwrap();
     let api = ApiServer::start().await;
-    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
-    std::fs::create_dir_all(&dir).unwrap();
-    let kubeconfig = api.kubeconfig(&dir);
+    let (dir, kubeconfig) = kubeconfig_dir(&lab, &api);
     api.apply(json!({"apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
         "metadata": {"name": "net", "namespace": "shoot--lab", "generation": 1},
         "spec": {"type": "gardenet", "podCIDR": "100.64.0.0/12", "serviceCIDR": "198.19.0.0/16", "ipFamilies": ["IPv4"],
@@ -172,9 +181,7 @@ async fn agent_reads_its_network_config_from_the_network_object() {
 async fn agent_stays_passive_while_kube_proxy_routes_services() {
     let lab = Lab::new(1).unwrap();
     let api = ApiServer::start().await;
-    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
-    std::fs::create_dir_all(&dir).unwrap();
-    let kubeconfig = api.kubeconfig(&dir);
+    let (dir, kubeconfig) = kubeconfig_dir(&lab, &api);
     api.apply(service("web", "198.19.0.10", 80));
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}p", lab.tag));
     let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--kube-proxy-enabled", "true"]);
@@ -192,13 +199,10 @@ async fn agent_stays_passive_while_kube_proxy_routes_services() {
 async fn restart_while_the_api_server_is_unreachable_loses_nothing() {
     let lab = Lab::new(3).unwrap();
     let api = ApiServer::start().await;
-    let dir = std::env::temp_dir().join(format!("{}-kube", lab.tag));
-    std::fs::create_dir_all(&dir).unwrap();
-    let kubeconfig = api.kubeconfig(&dir);
+    let (dir, kubeconfig) = kubeconfig_dir(&lab, &api);
     api.apply(service("web", "198.19.0.10", 80));
     api.apply(slice("web", &[0, 1, 2]));
-    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "lab-node"},
-                     "status": {"addresses": [{"type": "InternalIP", "address": "198.18.2.1"}]}}));
+    api.apply(lab_node());
     let bpffs = std::path::PathBuf::from("/sys/fs/bpf").join(format!("{}k", lab.tag));
     // Also on failure: the pins (and with them the links they hold) and the kubeconfig go.
     struct Cleanup(Vec<std::path::PathBuf>);
