@@ -205,7 +205,7 @@ pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics:
         return;
     }
     let addrs: Vec<IpAddr> = watch.redirects().iter().map(|r| r.to).collect();
-    let destroyed = match destroy::Events::open() {
+    let mut destroyed = match destroy::Events::open() {
         Ok(e) => Some(e),
         Err(e) => {
             tracing::warn!("local redirect: no socket-destroy notifications ({e}); a listener that goes away is noticed within {POLL_INTERVAL:?}");
@@ -215,7 +215,7 @@ pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics:
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        match &destroyed {
+        match &mut destroyed {
             Some(d) => tokio::select! {
                 _ = tick.tick() => {}
                 r = d.wait_for(&addrs) => if let Err(e) = r {
@@ -255,6 +255,8 @@ mod destroy {
 
     pub struct Events {
         fd: AsyncFd<OwnedFd>,
+        /// Receive buffer, kept across waits (one allocation per watch, not per wake-up).
+        buf: Vec<u8>,
     }
 
     impl Events {
@@ -283,13 +285,13 @@ mod destroy {
             }
             // SAFETY: the fd is owned by the AsyncFd and closed only when it drops.
             let fd = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(io::Error::from)?;
-            Ok(Events { fd })
+            Ok(Events { fd, buf: vec![0u8; 64 * 1024] })
         }
 
         /// Returns once a socket bound to one of `addrs` has been destroyed. Notifications
         /// lost to a full buffer (ENOBUFS) count as one: the caller reads the tables again.
-        pub async fn wait_for(&self, addrs: &[IpAddr]) -> io::Result<()> {
-            let mut buf = vec![0u8; 64 * 1024];
+        pub async fn wait_for(&mut self, addrs: &[IpAddr]) -> io::Result<()> {
+            let buf = &mut self.buf;
             loop {
                 let mut guard = self.fd.readable().await?;
                 loop {
