@@ -159,7 +159,8 @@ fn zero_backends_refuse_at_once() {
     let lab = Lab::new(3).expect("lab");
     let mut agent = Agent::start(
         &lab,
-        AgentOpts { socket_lb: true, tc: true, ..Default::default() },
+        // XDP forced: the lab's interfaces are veths, where `auto` attaches none.
+        AgentOpts { socket_lb: true, tc: true, extra: vec!["--xdp-mode=native".into()], ..Default::default() },
         &[("svc.yaml", service_yaml("web", VIP, PORT, &["TCP", "UDP"])), ("eps.yaml", slice_yaml("web", &[], &["TCP", "UDP"]))],
     )
     .unwrap();

@@ -68,8 +68,9 @@ fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Durat
     t0.elapsed()
 }
 
+/// XDP forced to native: these interfaces are veths, where `auto` attaches none.
 fn start(tag: &str, ns: &Netns, keep_links: bool) -> Agent {
-    Agent::start_in(tag, ns, None, AgentOpts { keep_links, ..Default::default() }, &[]).unwrap()
+    Agent::start_in(tag, ns, None, AgentOpts { keep_links, extra: vec!["--xdp-mode=native".into()], ..Default::default() }, &[]).unwrap()
 }
 
 #[test]

@@ -136,7 +136,8 @@ fn tc_lb_v6_translates_traffic_that_socket_lb_does_not_see() {
 #[test]
 fn zero_backends_v6_refuse_at_once() {
     let _g = serial();
-    let (lab, mut agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[]);
+    // XDP forced: the lab's interfaces are veths, where `auto` attaches none.
+    let (lab, mut agent) = setup(AgentOpts { socket_lb: true, tc: true, extra: vec!["--xdp-mode=native".into()], ..Default::default() }, &[]);
     for socket_lb in [true, false] {
         let v = lab.client_json(socket_lb, &["connect", "--to", &vip6(), "--timeout-ms", "3000"]).unwrap();
         eprintln!("zero backends v6, socket_lb={socket_lb}: {v}");
