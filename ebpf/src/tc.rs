@@ -171,19 +171,17 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     if let Some(v) = snat_reverse(ctx, f) {
         return Some(v);
     }
-    // A reply of a flow we DNATed earlier that re-enters the node here.
-    if let Some(v) = rev_nat(ctx, f) {
-        return Some(v);
-    }
     let now = unsafe { bpf_ktime_get_ns() };
     let fresh_syn = f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN;
     let fkey = f.ct_key(CT_DIR_FORWARD);
     // Established flows keep their backend even if the service changed meanwhile; a new SYN
     // (also one reusing an old 4-tuple) always selects afresh from the current backends.
+    // Looked up first: most packets here belong to such flows, and each conntrack lookup is
+    // a likely cache miss in a large table.
     if !fresh_syn {
         if let Some(ct) = GN_CT4.get_ptr_mut(&fkey) {
             let ct = unsafe { &mut *ct };
-            ct.last_seen_ns = now;
+            touch(&mut ct.last_seen_ns, now);
             let (addr, port, flags) = (ct.addr, ct.port, ct.flags);
             if flags & CT_FLAG_SNAT != 0 {
                 return Some(snat_established(ctx, f, addr, port, now));
@@ -191,6 +189,12 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
             dnat(ctx, f, addr, port)?;
             stat(Stat::TcDnat);
             return Some(PASS);
+        }
+    }
+    // A reply of a flow we DNATed earlier that re-enters the node here (never a bare SYN).
+    if !fresh_syn {
+        if let Some(v) = rev_nat(ctx, f) {
+            return Some(v);
         }
     }
     let skey = ServiceKey4::master(f.daddr, f.dport, f.proto);
@@ -334,6 +338,16 @@ fn decrement_hop_limit(ctx: &TcContext) -> Option<()> {
     ctx.store(HOP_OFF, &(hops - 1), 0).ok()
 }
 
+/// Records that a conntrack entry was used at `now`, at most once a second: a store on every
+/// packet would keep the entry's cache line bouncing between the CPUs that handle the two
+/// directions, and the times are only compared against limits of 10 s and more.
+#[inline(always)]
+fn touch(last_seen_ns: &mut u64, now: u64) {
+    if now.wrapping_sub(*last_seen_ns) > 1_000_000_000 {
+        *last_seen_ns = now;
+    }
+}
+
 /// Whether a reserved source-NAT port (its reply entry's flags and last use) may be given to
 /// a new flow.
 #[inline(always)]
@@ -414,12 +428,12 @@ fn snat_established(ctx: &TcContext, f: &Flow, be_addr: u32, be_port: u16, now: 
         return DROP;
     };
     let s = unsafe { &mut *s };
-    s.last_seen_ns = now;
+    touch(&mut s.last_seen_ns, now);
     let (nat_addr, nat_port) = (s.addr, s.port);
     let rkey = CtKey4 { saddr: be_addr, daddr: nat_addr, sport: be_port, dport: nat_port, proto: f.proto, dir: CT_DIR_SNAT_REPLY, _pad: 0 };
     if let Some(r) = GN_CT4.get_ptr_mut(&rkey) {
         let r = unsafe { &mut *r };
-        r.last_seen_ns = now;
+        touch(&mut r.last_seen_ns, now);
         snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
     }
     let Some((out_if, _)) = route(ctx, ingress_ifindex(ctx), f.proto, nat_addr, be_addr, false) else {
@@ -445,7 +459,7 @@ fn snat_reverse(ctx: &TcContext, f: &Flow) -> Option<i32> {
     let now = unsafe { bpf_ktime_get_ns() };
     let r = GN_CT4.get_ptr_mut(&f.ct_key(CT_DIR_SNAT_REPLY))?;
     let r = unsafe { &mut *r };
-    r.last_seen_ns = now;
+    touch(&mut r.last_seen_ns, now);
     snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
     let (client, client_port) = (r.addr, r.port);
     let rkey = CtKey4 { saddr: f.saddr, daddr: client, sport: f.sport, dport: client_port, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
@@ -454,7 +468,7 @@ fn snat_reverse(ctx: &TcContext, f: &Flow) -> Option<i32> {
         return Some(DROP);
     };
     let fe = unsafe { &mut *fe };
-    fe.last_seen_ns = now;
+    touch(&mut fe.last_seen_ns, now);
     let (fe_addr, fe_port) = (fe.addr, fe.port);
     let Some((out_if, _)) = route(ctx, ingress_ifindex(ctx), f.proto, fe_addr, client, false) else {
         stat(Stat::TcSnatFailed);
@@ -647,7 +661,7 @@ fn forget_stale(f: &Flow) {
 fn rev_nat(ctx: &TcContext, f: &Flow) -> Option<i32> {
     let ct = GN_CT4.get_ptr_mut(&f.ct_key(CT_DIR_REPLY))?;
     let ct = unsafe { &mut *ct };
-    ct.last_seen_ns = unsafe { bpf_ktime_get_ns() };
+    touch(&mut ct.last_seen_ns, unsafe { bpf_ktime_get_ns() });
     let (addr, port) = (ct.addr, ct.port);
     snat(ctx, f, addr, port)?;
     stat(Stat::TcRevNat);
@@ -836,16 +850,13 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     if let Some(v) = snat_reverse6(ctx, f) {
         return Some(v);
     }
-    if let Some(v) = rev_nat6(ctx, f) {
-        return Some(v);
-    }
     let now = unsafe { bpf_ktime_get_ns() };
     let fresh_syn = f.proto == PROTO_TCP && f.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN;
     let fkey = f.ct_key(CT_DIR_FORWARD);
     if !fresh_syn {
         if let Some(ct) = GN_CT6.get_ptr_mut(&fkey) {
             let ct = unsafe { &mut *ct };
-            ct.last_seen_ns = now;
+            touch(&mut ct.last_seen_ns, now);
             let (addr, port, flags) = (ct.addr, ct.port, ct.flags);
             if flags & CT_FLAG_SNAT != 0 {
                 return Some(snat_established6(ctx, f, &addr, port, now));
@@ -853,6 +864,11 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
             nat6(ctx, f, &f.daddr, &addr, IP6_DST_OFF, f.dport, port, f.l4 + 2)?;
             stat(Stat::TcDnat);
             return Some(PASS);
+        }
+    }
+    if !fresh_syn {
+        if let Some(v) = rev_nat6(ctx, f) {
+            return Some(v);
         }
     }
     let skey = ServiceKey6::master(f.daddr, f.dport, f.proto);
@@ -907,7 +923,7 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
 fn rev_nat6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     let ct = GN_CT6.get_ptr_mut(&f.ct_key(CT_DIR_REPLY))?;
     let ct = unsafe { &mut *ct };
-    ct.last_seen_ns = unsafe { bpf_ktime_get_ns() };
+    touch(&mut ct.last_seen_ns, unsafe { bpf_ktime_get_ns() });
     let (addr, port) = (ct.addr, ct.port);
     nat6(ctx, f, &f.saddr, &addr, IP6_SRC_OFF, f.sport, port, f.l4)?;
     stat(Stat::TcRevNat);
@@ -999,7 +1015,7 @@ fn snat_established6(ctx: &TcContext, f: &Flow6, be_addr: &Ip6, be_port: u16, no
         return DROP;
     };
     let s = unsafe { &mut *s };
-    s.last_seen_ns = now;
+    touch(&mut s.last_seen_ns, now);
     let (nat_addr, nat_port) = (s.addr, s.port);
     let mut skey = skey;
     skey.saddr = *be_addr;
@@ -1009,7 +1025,7 @@ fn snat_established6(ctx: &TcContext, f: &Flow6, be_addr: &Ip6, be_port: u16, no
     skey.dir = CT_DIR_SNAT_REPLY;
     if let Some(r) = GN_CT6.get_ptr_mut(&skey) {
         let r = unsafe { &mut *r };
-        r.last_seen_ns = now;
+        touch(&mut r.last_seen_ns, now);
         snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
     }
     let Some((out_if, _)) = route6(ctx, ingress_ifindex(ctx), f.proto, &nat_addr, be_addr, false) else {
@@ -1036,7 +1052,7 @@ fn snat_reverse6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     let now = unsafe { bpf_ktime_get_ns() };
     let r = GN_CT6.get_ptr_mut(&f.ct_key(CT_DIR_SNAT_REPLY))?;
     let r = unsafe { &mut *r };
-    r.last_seen_ns = now;
+    touch(&mut r.last_seen_ns, now);
     snat_note_close(f.proto, f.tcp_flags, &mut r.flags);
     let (client, client_port) = (r.addr, r.port);
     let rkey = CtKey6 { saddr: f.saddr, daddr: client, sport: f.sport, dport: client_port, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
@@ -1045,7 +1061,7 @@ fn snat_reverse6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         return Some(DROP);
     };
     let fe = unsafe { &mut *fe };
-    fe.last_seen_ns = now;
+    touch(&mut fe.last_seen_ns, now);
     let (fe_addr, fe_port) = (fe.addr, fe.port);
     let Some((out_if, _)) = route6(ctx, ingress_ifindex(ctx), f.proto, &fe_addr, &client, false) else {
         stat(Stat::TcSnatFailed);
