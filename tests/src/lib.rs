@@ -1,3 +1,5 @@
 pub mod apiserver;
+pub mod bpfstats;
 pub mod lab;
 pub mod netns;
+pub mod plot;

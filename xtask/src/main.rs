@@ -224,6 +224,13 @@ fn setup() -> Result<()> {
             pkgs.push(pkg);
         }
     }
+    // The dataplane bench: kube-proxy's nftables-mode ruleset, and a font for its plot.
+    if !have("nft") {
+        pkgs.push("nftables");
+    }
+    if !Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
+        pkgs.push("fonts-dejavu-core");
+    }
     let toolchain_src = sysroot(&host_rustc()).is_some_and(|s| has_rust_src(&s));
     let debian_src = Path::new(DEBIAN_RUSTC).exists() && Path::new("/usr/lib/rustlib/src/rust/library/core/Cargo.toml").exists();
     if !toolchain_src && !debian_src {

@@ -40,7 +40,7 @@ struct Args {
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Service counts (columns), comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,1000,10000")]
+    #[arg(long, value_delimiter = ',', default_value = "1,1000,10000,30000")]
     services: Vec<usize>,
     /// Skip the iptables-legacy row even if iptables-legacy-restore is installed.
     #[arg(long)]
@@ -55,9 +55,24 @@ struct Args {
     /// modes talk to the very same server, which isolates the cost of the LB itself.
     #[arg(long, default_value_t = 3)]
     backends: usize,
-    /// Phases to run: socket, tc, iptables.
-    #[arg(long, value_delimiter = ',', default_value = "socket,tc,iptables")]
+    /// Phases to run: socket, tc, iptables, nftables, ablation.
+    #[arg(long, value_delimiter = ',', default_value = "socket,tc,iptables,nftables,ablation")]
     phases: Vec<String>,
+    /// Length of the one long TCP stream per mode (seconds; 0: none).
+    #[arg(long, default_value_t = 10.0)]
+    stream_seconds: f64,
+    /// Service count at which the streams run (default: the first of --services).
+    #[arg(long)]
+    stream_at: Option<usize>,
+    /// Service count of the ablation phase (each datapath piece taken away in turn).
+    #[arg(long, default_value_t = 1)]
+    ablation_services: usize,
+    /// Where the results (JSON) and the plot (PNG) go.
+    #[arg(long, default_value = "target/bench")]
+    out_dir: std::path::PathBuf,
+    /// Only render the plot from an earlier run's JSON (no lab, no root needed).
+    #[arg(long)]
+    plot_only: Option<std::path::PathBuf>,
 }
 
 const PORT: u16 = 80;
@@ -177,14 +192,25 @@ impl Mode {
 
 #[derive(Default)]
 struct Cell {
+    /// Connections per second, one per run.
     samples: Vec<f64>,
+    /// First-reply latency p50/p90/p99 (µs), one triple per run.
+    lat: Vec<[f64; 3]>,
     errors: u64,
     notes: Vec<String>,
+    /// Program name -> (runs, ns) over this cell's measured runs (with statistics on).
+    progs: BTreeMap<String, (u64, u64)>,
+    /// Connections made in the runs `progs` covers.
+    conns: u64,
 }
 
 #[derive(Default)]
 struct Results {
     cells: BTreeMap<(String, usize), Cell>,
+    /// Row -> (services, bits/s) of its one long stream.
+    streams: BTreeMap<String, (usize, f64)>,
+    /// Ablation configurations in the order measured: (configuration, rows measured in it).
+    ablation: Vec<(String, Vec<String>)>,
     timings: Vec<(String, String)>,
     probes: Vec<String>,
 }
@@ -227,7 +253,8 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
     serde_json::from_slice(&out).with_context(|| format!("netkit output: {}", String::from_utf8_lossy(&out)))
 }
 
-/// One netkit `tcp` run: (per_second, errors, answers by backend).
+/// One netkit `tcp` run: (per_second, errors, answers by backend; the output also carries
+/// `latency_us`).
 fn tcp_run(lab: &Lab, m: &Mode, run: usize, count: u32) -> Result<(f64, u64, serde_json::Value)> {
     check_stop()?;
     let to = m.to(run);
@@ -269,8 +296,10 @@ fn drain_timewait(lab: &Lab, limit: u64) -> Result<()> {
     Ok(())
 }
 
-/// Sanity check, warm-up, then `runs` interleaved measured runs of every mode.
-fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results) -> Result<()> {
+/// Sanity check, warm-up, then `runs` interleaved measured runs of every mode. With
+/// `prog_stats`, what gardenet's programs ran during each measured run is added to its cell
+/// (run-time statistics must be on).
+fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results, prog_stats: bool) -> Result<()> {
     for m in modes {
         let (_, errors, v) = tcp_run(lab, m, 0, 60)?;
         let c = counts(&v);
@@ -288,7 +317,18 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results) 
         // Rotate the order so no mode always runs right after the same other one.
         for k in 0..modes.len() {
             let m = &modes[(k + r) % modes.len()];
+            let before = if prog_stats { Some(gardenet_tests::bpfstats::programs("gn_")?) } else { None };
             let (ps, errors, v) = tcp_run(lab, m, r, args.count)?;
+            if let Some(before) = before {
+                let d = gardenet_tests::bpfstats::delta(&before, &gardenet_tests::bpfstats::programs("gn_")?);
+                let cell = res.cell(&m.row, n);
+                cell.conns += args.count as u64;
+                for (name, (runs, ns)) in d {
+                    let e = cell.progs.entry(name).or_default();
+                    e.0 += runs;
+                    e.1 += ns;
+                }
+            }
             eprintln!(
                 "bench: {n:>6} services  {:<28} run {}: {:>8.0} conn/s{}",
                 m.row,
@@ -298,6 +338,10 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results) 
             );
             let cell = res.cell(&m.row, n);
             cell.samples.push(ps);
+            let l = &v["latency_us"];
+            if let (Some(a), Some(b), Some(c)) = (l["p50"].as_f64(), l["p90"].as_f64(), l["p99"].as_f64()) {
+                cell.lat.push([a, b, c]);
+            }
             cell.errors += errors;
             if errors > 0 {
                 cell.notes.push(v["errors"].to_string());
@@ -308,9 +352,31 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results) 
     Ok(())
 }
 
+fn stream_at(args: &Args) -> usize {
+    args.stream_at.unwrap_or(args.services[0])
+}
+
+/// One long TCP stream per mode (`--stream-seconds`) when `n` is the stream's service count.
+fn streams(lab: &Lab, modes: &[&Mode], n: usize, args: &Args, res: &mut Results) -> Result<()> {
+    if n != stream_at(args) || args.stream_seconds <= 0.0 {
+        return Ok(());
+    }
+    for m in modes {
+        check_stop()?;
+        let secs = format!("{}", args.stream_seconds);
+        let v = client_json(lab, m.in_cgroup, &["stream", "--to", &m.to(0), "--seconds", &secs])?;
+        let bps = v["bits_per_second"].as_f64().with_context(|| format!("stream {}: {v}", m.row))?;
+        eprintln!("bench: {n:>6} services  {:<28} stream: {:.2} Gbit/s", m.row, bps / 1e9);
+        res.streams.insert(m.row.clone(), (n, bps));
+    }
+    Ok(())
+}
+
 const ROW_DIRECT: &str = "direct (backend IP)";
 const ROW_SOCK: &str = "socket LB";
 const ROW_TC: &str = "TC LB";
+const ROW_NFT: &str = "nftables (kube-proxy nftables mode)";
+const ROW_NFT_CTL: &str = "direct, nftables rules loaded";
 const CTL_DIRECT_A: &str = "direct, no datapath (phase A)";
 
 fn ipt_row(b: &IptBackend) -> String {
@@ -418,6 +484,87 @@ fn kube_ruleset(n: usize) -> String {
     format!("{chains}{rules}{per_svc}COMMIT\n")
 }
 
+/// The nat part of the ruleset kube-proxy's nftables mode (`pkg/proxy/nftables`, through
+/// knftables) writes for `n` ClusterIP Services: one `service-ips` verdict map from
+/// `address . protocol . port` to a per-service chain, which picks an endpoint chain with
+/// `numgen random mod N vmap`, which DNATs. Written as `add` commands and loaded by one
+/// `nft -f -`: one transaction, as kube-proxy loads it. kube-proxy's filter-table chains
+/// (firewall, reject of services without endpoints) are not built; without a cluster CIDR the
+/// client is not masqueraded (as for the iptables ruleset).
+fn nft_ruleset(n: usize) -> String {
+    const T: &str = "ip kube-proxy";
+    let mut s = String::with_capacity(n * 900);
+    s.push_str(&format!(
+        "add table {T} {{ comment \"rules for kube-proxy\" ; }}\n\
+         add chain {T} mark-for-masquerade\n\
+         add rule {T} mark-for-masquerade mark set mark or 0x4000\n\
+         add chain {T} masquerading {{ type nat hook postrouting priority 100 ; }}\n\
+         add rule {T} masquerading mark and 0x4000 == 0 return\n\
+         add rule {T} masquerading mark set mark xor 0x4000\n\
+         add rule {T} masquerading masquerade fully-random\n\
+         add chain {T} services\n\
+         add chain {T} nat-prerouting {{ type nat hook prerouting priority -100 ; }}\n\
+         add rule {T} nat-prerouting jump services\n\
+         add chain {T} nat-output {{ type nat hook output priority -100 ; }}\n\
+         add rule {T} nat-output jump services\n\
+         add map {T} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; }}\n\
+         add rule {T} services ip daddr . meta l4proto . th dport vmap @service-ips\n"
+    ));
+    let mut elements = Vec::with_capacity(n);
+    for i in 0..n {
+        let port_name = format!("lab/{}/tcp/p-tcp", svc_name(i));
+        let svc = format!("service-{}-{port_name}", &chain_hash(&port_name)[..8]);
+        s.push_str(&format!("add chain {T} {svc}\n"));
+        let mut vmap = Vec::new();
+        for b in 0..nbe() {
+            let ep = format!("{}/{SERVER_PORT}", backend_ip(b));
+            let epc = format!("endpoint-{}-{port_name}__{ep}", &chain_hash(&format!("{port_name}{ep}"))[..8]);
+            s.push_str(&format!(
+                "add chain {T} {epc}\n\
+                 add rule {T} {epc} ip saddr {ip} jump mark-for-masquerade\n\
+                 add rule {T} {epc} meta l4proto tcp dnat to {ip}:{SERVER_PORT}\n",
+                ip = backend_ip(b)
+            ));
+            vmap.push(format!("{b} : goto {epc}"));
+        }
+        s.push_str(&format!("add rule {T} {svc} numgen random mod {} vmap {{ {} }}\n", nbe(), vmap.join(" , ")));
+        elements.push(format!("{} . tcp . {PORT} : goto {svc}", vip(i)));
+    }
+    for chunk in elements.chunks(1000) {
+        s.push_str(&format!("add element {T} service-ips {{ {} }}\n", chunk.join(" , ")));
+    }
+    s
+}
+
+/// kube-proxy's nftables table loaded in the node namespace; deleted on drop.
+struct NftRules<'a> {
+    node: &'a Netns,
+    loaded: bool,
+}
+
+impl<'a> NftRules<'a> {
+    fn load(node: &'a Netns, rules: &str) -> Result<Self> {
+        let mut g = NftRules { node, loaded: true };
+        if let Err(e) = node_run(node, "nft", &["-f", "-"], Some(rules), Duration::from_secs(600)) {
+            g.flush();
+            return Err(e);
+        }
+        Ok(g)
+    }
+
+    fn flush(&mut self) {
+        if std::mem::take(&mut self.loaded) {
+            let _ = node_run(self.node, "nft", &["delete", "table", "ip", "kube-proxy"], None, Duration::from_secs(300));
+        }
+    }
+}
+
+impl Drop for NftRules<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
 /// Runs a command in the node namespace with a bounded wait; feeds `stdin` if given.
 fn node_run(node: &Netns, prog: &str, args: &[&str], stdin: Option<&str>, timeout: Duration) -> Result<String> {
     let mut cmd = node.command(prog, None)?;
@@ -518,7 +665,8 @@ fn phase_socket_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         let v = vip(measured(n));
         let modes =
             [Mode { row: ROW_DIRECT.into(), in_cgroup: false, target: Target::Direct }, Mode { row: ROW_SOCK.into(), in_cgroup: true, target: Target::Vip(v) }];
-        measure(lab, &modes, n, args, res)?;
+        measure(lab, &modes, n, args, res, false)?;
+        streams(lab, &[&modes[0], &modes[1]], n, args, res)?;
     }
     Ok(())
 }
@@ -550,7 +698,8 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         res.timing(format!("phase B: {n} services programmed (lb list)"), d);
         // No "direct" control in this phase: see `stale_ct_probe`.
         let modes = [Mode { row: ROW_TC.into(), in_cgroup: false, target: Target::Vip(vip(measured(n))) }];
-        measure(lab, &modes, n, args, res)?;
+        measure(lab, &modes, n, args, res, false)?;
+        streams(lab, &[&modes[0]], n, args, res)?;
         stale_ct_probe(lab, n, res)?;
     }
     Ok(())
@@ -594,11 +743,109 @@ fn phase_iptables(lab: &Lab, args: &Args, backends: &[IptBackend], res: &mut Res
                 Mode { row: ipt_ctl_row(b), in_cgroup: false, target: Target::Direct },
                 Mode { row: ipt_row(b), in_cgroup: false, target: Target::Vip(vip(measured(n))) },
             ];
-            measure(lab, &modes, n, args, res)?;
+            measure(lab, &modes, n, args, res, false)?;
+            streams(lab, &[&modes[1]], n, args, res)?;
             let t0 = Instant::now();
             g.flush();
             res.timing(format!("iptables-{}: flush of {n} services", b.label), t0.elapsed());
         }
+    }
+    Ok(())
+}
+
+fn phase_nftables(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
+    eprintln!("\nbench: phase D: no agent; kube-proxy's nftables-mode ruleset in the node namespace");
+    if !have("nft") {
+        bail!("nft is not installed: run `cargo xtask setup` (Debian package nftables)");
+    }
+    for &n in &args.services {
+        check_stop()?;
+        let rules = nft_ruleset(n);
+        let t0 = Instant::now();
+        let mut g = NftRules::load(&lab.node, &rules)?;
+        res.timing(format!("nftables: `nft -f` of {n} services ({} commands, one transaction)", rules.lines().count()), t0.elapsed());
+        let modes = [
+            Mode { row: ROW_NFT_CTL.into(), in_cgroup: false, target: Target::Direct },
+            Mode { row: ROW_NFT.into(), in_cgroup: false, target: Target::Vip(vip(measured(n))) },
+        ];
+        measure(lab, &modes, n, args, res, false)?;
+        streams(lab, &[&modes[1]], n, args, res)?;
+        let t0 = Instant::now();
+        g.flush();
+        res.timing(format!("nftables: delete table with {n} services"), t0.elapsed());
+    }
+    Ok(())
+}
+
+/// One configuration of the ablation phase: how the agent runs and what the bench takes off.
+struct Ablation {
+    label: &'static str,
+    xdp: &'static str,
+    /// Detach the TC egress program after the start (replies are then not reverse-NATed, so
+    /// only untranslated traffic can be measured).
+    no_egress: bool,
+    /// More agent flags.
+    extra: &'static [&'static str],
+}
+
+const ABLATIONS: &[Ablation] = &[
+    Ablation { label: "TC + XDP native", xdp: "native", no_egress: false, extra: &[] },
+    Ablation { label: "TC + XDP generic", xdp: "generic", no_egress: false, extra: &[] },
+    Ablation { label: "TC, XDP off", xdp: "off", no_egress: false, extra: &[] },
+    Ablation {
+        label: "TC, XDP off, 16,384-entry maps",
+        xdp: "off",
+        no_egress: false,
+        extra: &["--map-conntrack=16384", "--map-services=16384", "--map-backends=16384"],
+    },
+    Ablation { label: "TC ingress only, XDP off", xdp: "off", no_egress: true, extra: &[] },
+];
+
+const ABL_NONE: &str = "no agent";
+
+fn abl_row(cfg: &str, what: &str) -> String {
+    format!("{cfg}: {what}")
+}
+
+/// The datapath with each piece taken away in turn, at `--ablation-services`, with run-time
+/// statistics on: conn/s and latency of direct (untranslated, every program runs and finds
+/// nothing) and TC LB connections, and what each program costs per run and per connection.
+fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
+    eprintln!("\nbench: phase E: ablation (each piece of the TC datapath taken away in turn)");
+    let n = args.ablation_services;
+    let _stats = gardenet_tests::bpfstats::enable()?;
+    let tc = Target::Vip(vip(measured(n)));
+    // Baseline: nothing of ours on the path.
+    let base = Mode { row: abl_row(ABL_NONE, "direct"), in_cgroup: false, target: Target::Direct };
+    measure(lab, std::slice::from_ref(&base), n, args, res, true)?;
+    res.ablation.push((ABL_NONE.into(), vec![base.row.clone()]));
+    for a in ABLATIONS {
+        check_stop()?;
+        let mut extra = vec![format!("--xdp-mode={}", a.xdp)];
+        extra.extend(a.extra.iter().map(|x| x.to_string()));
+        let opts = AgentOpts { tc: true, extra, ..Default::default() };
+        let agent = Agent::start(lab, opts, &[("services.yaml", manifests(n))])?;
+        wait_programmed(&agent, n, Instant::now(), Duration::from_secs(args.program_timeout_s))?;
+        let mut modes = vec![Mode { row: abl_row(a.label, "direct"), in_cgroup: false, target: Target::Direct }];
+        if a.no_egress {
+            let links = agent.bpffs.join("links");
+            let mut n_detached = 0;
+            for e in std::fs::read_dir(&links).with_context(|| format!("reading {}", links.display()))? {
+                let p = e?.path();
+                if p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("tc-egress")) {
+                    gardenet_tests::bpfstats::detach_pinned_link(&p)?;
+                    n_detached += 1;
+                }
+            }
+            if n_detached == 0 {
+                bail!("no tc-egress link pinned under {} (tcx needed for this configuration)", links.display());
+            }
+        } else {
+            modes.push(Mode { row: abl_row(a.label, "TC LB"), in_cgroup: false, target: tc.clone() });
+        }
+        measure(lab, &modes, n, args, res, true)?;
+        res.ablation.push((a.label.into(), modes.iter().map(|m| m.row.clone()).collect()));
+        drop(agent);
     }
     Ok(())
 }
@@ -665,13 +912,44 @@ fn med(res: &Results, row: &str, n: usize) -> Option<f64> {
     res.cells.get(&(row.to_owned(), n)).filter(|c| !c.samples.is_empty()).map(|c| median(&c.samples))
 }
 
-fn pct(a: f64, b: f64) -> String {
-    format!("{:+.1}%", (a / b - 1.0) * 100.0)
+fn lat_med(c: &Cell, k: usize) -> Option<f64> {
+    (!c.lat.is_empty()).then(|| median(&c.lat.iter().map(|l| l[k]).collect::<Vec<_>>()))
+}
+
+/// Latency table: "p50 / p90 / p99" in µs per cell (medians over the runs).
+fn lat_table(out: &mut String, res: &Results, rows: &[String], ns: &[usize]) {
+    out.push_str("| mode (µs: p50 / p90 / p99) |");
+    for n in ns {
+        out.push_str(&format!(" {} service{} |", thousands(*n as f64), if *n == 1 { "" } else { "s" }));
+    }
+    out.push_str("\n|---|");
+    for _ in ns {
+        out.push_str("---:|");
+    }
+    out.push('\n');
+    for r in rows {
+        out.push_str(&format!("| {r} |"));
+        for n in ns {
+            let cell = res.cells.get(&(r.clone(), *n));
+            match cell.and_then(|c| Some((lat_med(c, 0)?, lat_med(c, 1)?, lat_med(c, 2)?))) {
+                Some((a, b, c)) => out.push_str(&format!(" {a:.0} / {b:.0} / {c:.0} |")),
+                None => out.push_str(" n/a |"),
+            }
+        }
+        out.push('\n');
+    }
+}
+
+fn ratio_line(o: &mut String, what: &str, a: Option<f64>, b: Option<f64>, target: f64) {
+    if let (Some(a), Some(b)) = (a, b) {
+        let r = a / b;
+        o.push_str(&format!("- {what}: {r:.2}x (target >= {target:.2}x: {})\n", if r >= target { "met" } else { "MISSED" }));
+    }
 }
 
 fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, String)]) -> String {
     let mut o = String::new();
-    o.push_str("## Dataplane benchmark: TCP connections per second\n\n");
+    o.push_str("## Dataplane benchmark\n\n");
     for (k, v) in env {
         o.push_str(&format!("- {k}: {v}\n"));
     }
@@ -682,34 +960,75 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     ));
     let mut rows = vec![ROW_DIRECT.to_string(), ROW_SOCK.into(), ROW_TC.into()];
     rows.extend(backends.iter().map(ipt_row));
+    rows.push(ROW_NFT.into());
+    o.push_str("### TCP connections per second\n\n");
     table(&mut o, res, &rows, &args.services);
     o.push('\n');
     for &n in &args.services {
-        if let (Some(s), Some(d)) = (med(res, ROW_SOCK, n), med(res, ROW_DIRECT, n)) {
-            let ok = (s / d - 1.0).abs() <= 0.05 || s >= d;
-            o.push_str(&format!(
-                "- socket LB vs direct, {} services: {} ({})\n",
-                thousands(n as f64),
-                pct(s, d),
-                if ok { "within the 5% target" } else { "MISSES the 5% target" }
-            ));
+        let d = med(res, ROW_DIRECT, n);
+        ratio_line(&mut o, &format!("socket LB / direct, {} services", thousands(n as f64)), med(res, ROW_SOCK, n), d, 0.97);
+        ratio_line(&mut o, &format!("TC LB / direct, {} services", thousands(n as f64)), med(res, ROW_TC, n), d, 0.90);
+    }
+    if args.services.contains(&10_000) {
+        if let Some(b) = backends.iter().find(|b| b.label == "nft") {
+            ratio_line(&mut o, "TC LB / iptables (nft), 10,000 services", med(res, ROW_TC, 10_000), med(res, &ipt_row(b), 10_000), 1.8);
         }
     }
-    let big = *args.services.iter().max().unwrap_or(&0);
-    for b in backends {
-        if let (Some(t), Some(i)) = (med(res, ROW_TC, big), med(res, &ipt_row(b), big)) {
-            o.push_str(&format!(
-                "- TC LB vs iptables ({}), {} services: {} ({})\n",
-                b.label,
-                thousands(big as f64),
-                pct(t, i),
-                if t > i { "TC LB ahead" } else { "TC LB NOT ahead" }
-            ));
+    o.push_str("\n### First-reply latency of new connections (connect() to the first byte of the reply)\n\n");
+    lat_table(&mut o, res, &rows, &args.services);
+    if !res.streams.is_empty() {
+        o.push_str(&format!("\n### One TCP stream of {} s (client to backend, through each path)\n\n", args.stream_seconds));
+        o.push_str("| mode | services | Gbit/s |\n|---|---:|---:|\n");
+        for r in &rows {
+            if let Some((n, bps)) = res.streams.get(r) {
+                o.push_str(&format!("| {r} | {} | {:.2} |\n", thousands(*n as f64), bps / 1e9));
+            }
         }
     }
-    o.push_str("\nControls: \"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
+    if !res.ablation.is_empty() {
+        let n = args.ablation_services;
+        o.push_str(&format!(
+            "\n### Ablation: each piece of the TC datapath taken away in turn ({} service{}, run-time statistics on)\n\n",
+            thousands(n as f64),
+            if n == 1 { "" } else { "s" }
+        ));
+        o.push_str(
+            "| configuration | direct conn/s | direct p50 µs | TC LB conn/s | TC LB p50 µs | TC LB / direct (no agent) |\n|---|---:|---:|---:|---:|---:|\n",
+        );
+        let base = med(res, &abl_row(ABL_NONE, "direct"), n);
+        for (cfg, _) in &res.ablation {
+            let d = res.cells.get(&(abl_row(cfg, "direct"), n));
+            let t = res.cells.get(&(abl_row(cfg, "TC LB"), n));
+            let p50 = |c: Option<&Cell>| c.and_then(|c| lat_med(c, 0)).map(|x| format!("{x:.0}")).unwrap_or_else(|| "n/a".into());
+            let ratio = match (t.filter(|c| !c.samples.is_empty()).map(|c| median(&c.samples)), base) {
+                (Some(t), Some(b)) => format!("{:.2}x", t / b),
+                _ => "n/a".into(),
+            };
+            o.push_str(&format!("| {cfg} | {} | {} | {} | {} | {ratio} |\n", fmt_cell(d), p50(d), fmt_cell(t), p50(t)));
+        }
+        o.push_str("\nWhat each program ran, per connection (`bpf_prog_info` run_cnt and run_time_ns over the measured runs):\n\n");
+        o.push_str("| configuration, traffic | program | runs per connection | ns per run | ns per connection |\n|---|---|---:|---:|---:|\n");
+        for (_, rows) in &res.ablation {
+            for r in rows {
+                let Some(c) = res.cells.get(&(r.clone(), n)) else { continue };
+                for (name, (runs, ns)) in &c.progs {
+                    if *runs == 0 || c.conns == 0 {
+                        continue;
+                    }
+                    o.push_str(&format!(
+                        "| {r} | {name} | {:.1} | {:.0} | {:.0} |\n",
+                        *runs as f64 / c.conns as f64,
+                        *ns as f64 / *runs as f64,
+                        *ns as f64 / c.conns as f64
+                    ));
+                }
+            }
+        }
+    }
+    o.push_str("\n### Controls\n\n\"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
     let mut ctl = vec![ROW_DIRECT.to_string()];
     ctl.extend(backends.iter().map(ipt_ctl_row));
+    ctl.push(ROW_NFT_CTL.into());
     let ctl_table = {
         let mut t = String::new();
         table(&mut t, res, &ctl, &args.services);
@@ -734,6 +1053,29 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         o.push('\n');
     }
     o
+}
+
+/// The figures the plot needs, as JSON: {"services": [...], "modes": {row: [{"services",
+/// "conn_per_s", "p99_us"}, ...]}}.
+fn plot_data(res: &Results, args: &Args, backends: &[IptBackend]) -> serde_json::Value {
+    let mut rows = vec![ROW_DIRECT.to_string(), ROW_SOCK.into(), ROW_TC.into()];
+    rows.extend(backends.iter().map(ipt_row));
+    rows.push(ROW_NFT.into());
+    let mut modes = serde_json::Map::new();
+    for r in rows {
+        let pts: Vec<serde_json::Value> = args
+            .services
+            .iter()
+            .filter_map(|&n| {
+                let c = res.cells.get(&(r.clone(), n)).filter(|c| !c.samples.is_empty())?;
+                Some(serde_json::json!({"services": n, "conn_per_s": median(&c.samples), "p99_us": lat_med(c, 2)}))
+            })
+            .collect();
+        if !pts.is_empty() {
+            modes.insert(r, pts.into());
+        }
+    }
+    serde_json::json!({"services": args.services, "modes": modes})
 }
 
 fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
@@ -768,8 +1110,25 @@ fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
 }
 
+/// Writes the results as JSON and renders the plot next to it.
+fn write_outputs(data: &serde_json::Value, out_dir: &std::path::Path, title: &str) -> Result<()> {
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let json = out_dir.join("dataplane.json");
+    std::fs::write(&json, serde_json::to_string_pretty(data)?)?;
+    let png = out_dir.join("dataplane.png");
+    let series = gardenet_tests::plot::series_from_json(data)?;
+    gardenet_tests::plot::render(&series, title, &png)?;
+    eprintln!("bench: results in {}, plot in {}", json.display(), png.display());
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let Some(j) = &args.plot_only {
+        let data: serde_json::Value = serde_json::from_slice(&std::fs::read(j).with_context(|| format!("reading {}", j.display()))?)?;
+        let title = data["title"].as_str().unwrap_or("gardenet dataplane benchmark").to_owned();
+        return write_outputs(&data, j.parent().unwrap_or(std::path::Path::new(".")), &title);
+    }
     if args.runs == 0 || args.runs > 50 || args.count == 0 || args.count > 100_000 {
         bail!("--runs must be 1..=50 and --count 1..=100000");
     }
@@ -818,6 +1177,12 @@ fn main() -> Result<()> {
         if on("iptables") {
             phase_iptables(&lab, &args, &backends, &mut res)?;
         }
+        if on("nftables") {
+            phase_nftables(&lab, &args, &mut res)?;
+        }
+        if on("ablation") {
+            phase_ablation(&lab, &args, &mut res)?;
+        }
         Ok(())
     })();
     let mut env = env;
@@ -825,6 +1190,17 @@ fn main() -> Result<()> {
     env.push(("wall time".into(), format!("{:.0} s", t0.elapsed().as_secs_f64())));
     let table = report(&res, &args, &backends, &env);
     println!("{table}");
+    let mut data = plot_data(&res, &args, &backends);
+    let title = format!(
+        "gardenet dataplane: TCP connect + request + reply, {} backends per Service ({}, {} CPUs)",
+        nbe(),
+        env.iter().find(|(k, _)| k == "kernel").map(|(_, v)| v.as_str()).unwrap_or("?"),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+    );
+    data["title"] = title.clone().into();
+    if let Err(e) = write_outputs(&data, &args.out_dir, &title) {
+        eprintln!("bench: WARNING: no plot: {e:#}");
+    }
     drop(lab);
     run.context("benchmark aborted; the table above has what was measured")
 }

@@ -99,6 +99,13 @@ enum Cmd {
         #[arg(long)]
         download: Option<u64>,
     },
+    /// One TCP stream of SECONDS (client to server); prints the throughput.
+    Stream {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+    },
     /// One HTTP GET; prints the status code and body.
     HttpGet {
         #[arg(long)]
@@ -129,6 +136,7 @@ fn main() -> Result<()> {
         Cmd::Bulk { to, bytes, pace_ms, download } => bulk(to, bytes.min(1 << 30), pace_ms, download.unwrap_or(bytes).min(1 << 30)),
         Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
         Cmd::HttpGet { to, path } => http_get(to, &path),
+        Cmd::Stream { to, seconds } => stream(to, seconds.clamp(0.1, 60.0)),
     }
 }
 
@@ -279,15 +287,55 @@ fn request(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io
 fn tcp(to: SocketAddr, count: u32, timeout: Duration, bind_port: Option<u16>) -> Result<()> {
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
+    // Per answered connection: connect() start to the first byte of the reply, as the
+    // Kubernetes blog on kube-proxy's nftables mode measures "first packet" latency.
+    let mut latencies_us: Vec<f64> = Vec::with_capacity(count as usize);
     let t0 = Instant::now();
     for _ in 0..count {
+        let t = Instant::now();
         match request(to, timeout, bind_port) {
-            Ok(n) => *counts.entry(n).or_default() += 1,
+            Ok(n) => {
+                latencies_us.push(t.elapsed().as_secs_f64() * 1e6);
+                *counts.entry(n).or_default() += 1
+            }
             Err(e) => *errors.entry(err_kind(&e)).or_default() += 1,
         }
     }
     let secs = t0.elapsed().as_secs_f64();
-    println!("{}", json!({"counts": counts, "errors": errors, "seconds": secs, "per_second": count as f64 / secs}));
+    latencies_us.sort_by(|a, b| a.total_cmp(b));
+    let q = |p: f64| latencies_us.get(((latencies_us.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied();
+    let latency = json!({"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "max": latencies_us.last()});
+    println!("{}", json!({"counts": counts, "errors": errors, "seconds": secs, "per_second": count as f64 / secs, "latency_us": latency}));
+    Ok(())
+}
+
+/// One TCP stream for `seconds`: the client writes as fast as it can, the server sinks (the
+/// payload crosses the ingress translation, the ACKs the reverse one); prints bytes/s.
+fn stream(to: SocketAddr, seconds: f64) -> Result<()> {
+    let s = TcpStream::connect_timeout(&to, Duration::from_secs(3))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.set_write_timeout(Some(Duration::from_secs(30)))?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut w = s;
+    writeln!(w, "SINK {}", u64::MAX / 2)?;
+    let chunk = vec![0xa5u8; 256 * 1024];
+    let (t0, mut sent) = (Instant::now(), 0u64);
+    while t0.elapsed().as_secs_f64() < seconds {
+        w.write_all(&chunk)?;
+        sent += chunk.len() as u64;
+    }
+    w.shutdown(Shutdown::Write)?;
+    // The server answers `name bytes` at end of stream: everything sent has arrived.
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let mut it = line.split_whitespace();
+    let backend = it.next().unwrap_or("").to_owned();
+    let got: u64 = it.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+    if got != sent {
+        bail!("sent {sent} bytes, the server got {got} ({line:?})");
+    }
+    println!("{}", json!({"backend": backend, "bytes": got, "seconds": secs, "bits_per_second": got as f64 * 8.0 / secs}));
     Ok(())
 }
 
