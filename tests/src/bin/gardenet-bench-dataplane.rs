@@ -182,10 +182,20 @@ struct Mode {
 }
 
 impl Mode {
+    /// One address: a backend (rotating run by run) or the VIP.
     fn to(&self, run: usize) -> String {
         match &self.target {
             Target::Direct => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
             Target::Vip(v) => format!("{v}:{PORT}"),
+        }
+    }
+
+    /// Where a connection run goes: "direct" spreads its connections over all backends in
+    /// turn, so it reaches the same servers as the load-balanced modes (like for like).
+    fn to_all(&self) -> String {
+        match &self.target {
+            Target::Direct => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
+            Target::Vip(_) => self.to(0),
         }
     }
 }
@@ -255,9 +265,9 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
 
 /// One netkit `tcp` run: (per_second, errors, answers by backend; the output also carries
 /// `latency_us`).
-fn tcp_run(lab: &Lab, m: &Mode, run: usize, count: u32) -> Result<(f64, u64, serde_json::Value)> {
+fn tcp_run(lab: &Lab, m: &Mode, count: u32) -> Result<(f64, u64, serde_json::Value)> {
     check_stop()?;
-    let to = m.to(run);
+    let to = m.to_all();
     let v = client_json(lab, m.in_cgroup, &["tcp", "--to", &to, "--count", &count.to_string(), "--timeout-ms", "2000"])?;
     let errors: u64 = v["errors"].as_object().into_iter().flatten().map(|(_, n)| n.as_u64().unwrap_or(0)).sum();
     let answered: u64 = counts(&v).iter().map(|(_, n)| n).sum();
@@ -301,16 +311,13 @@ fn drain_timewait(lab: &Lab, limit: u64) -> Result<()> {
 /// (run-time statistics must be on).
 fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results, prog_stats: bool) -> Result<()> {
     for m in modes {
-        let (_, errors, v) = tcp_run(lab, m, 0, 60)?;
+        let (_, errors, v) = tcp_run(lab, m, 60)?;
         let c = counts(&v);
-        let want = match m.target {
-            Target::Direct => 1,
-            Target::Vip(_) => nbe(),
-        };
+        let want = nbe();
         if errors > 0 || c.len() != want {
             bail!("{} with {n} services: sanity check failed (expected {want} backend(s) answering, no errors): {v}", m.row);
         }
-        tcp_run(lab, m, 1, 300)?; // warm-up
+        tcp_run(lab, m, 300)?; // warm-up
     }
     drain_timewait(lab, 45_000)?;
     for r in 0..args.runs {
@@ -318,7 +325,7 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results, 
         for k in 0..modes.len() {
             let m = &modes[(k + r) % modes.len()];
             let before = if prog_stats { Some(gardenet_tests::bpfstats::programs("gn_")?) } else { None };
-            let (ps, errors, v) = tcp_run(lab, m, r, args.count)?;
+            let (ps, errors, v) = tcp_run(lab, m, args.count)?;
             if let Some(before) = before {
                 let d = gardenet_tests::bpfstats::delta(&before, &gardenet_tests::bpfstats::programs("gn_")?);
                 let cell = res.cell(&m.row, n);

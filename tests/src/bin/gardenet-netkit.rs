@@ -31,9 +31,10 @@ enum Cmd {
         addr: Option<std::net::IpAddr>,
     },
     /// COUNT TCP connections (connect, one request, one reply, close); counts answers by name.
+    /// With several `--to` (comma-separated), connection i goes to the (i mod n)-th.
     Tcp {
-        #[arg(long)]
-        to: SocketAddr,
+        #[arg(long, value_delimiter = ',', required = true)]
+        to: Vec<SocketAddr>,
         #[arg(long, default_value_t = 1)]
         count: u32,
         #[arg(long, default_value_t = 2000)]
@@ -284,16 +285,16 @@ fn request(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io
     Ok(line.trim().to_owned())
 }
 
-fn tcp(to: SocketAddr, count: u32, timeout: Duration, bind_port: Option<u16>) -> Result<()> {
+fn tcp(to: Vec<SocketAddr>, count: u32, timeout: Duration, bind_port: Option<u16>) -> Result<()> {
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
     // Per answered connection: connect() start to the first byte of the reply, as the
     // Kubernetes blog on kube-proxy's nftables mode measures "first packet" latency.
     let mut latencies_us: Vec<f64> = Vec::with_capacity(count as usize);
     let t0 = Instant::now();
-    for _ in 0..count {
+    for i in 0..count {
         let t = Instant::now();
-        match request(to, timeout, bind_port) {
+        match request(to[i as usize % to.len()], timeout, bind_port) {
             Ok(n) => {
                 latencies_us.push(t.elapsed().as_secs_f64() * 1e6);
                 *counts.entry(n).or_default() += 1
