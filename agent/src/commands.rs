@@ -96,7 +96,11 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
         writeln!(out, "service ranges: {} (unallocated addresses dropped; {ips} ClusterIPs: other ports rejected)", ranges.join(", "))?;
     }
     if let Ok(n) = dataplane::conntrack_entries(bpffs) {
-        writeln!(out, "conntrack entries: {n}")?;
+        match dataplane::conntrack_capacity(bpffs) {
+            // Pressure: an LRU map near its capacity evicts live flows first.
+            Ok(cap) if cap > 0 => writeln!(out, "conntrack entries: {n} of {cap} ({:.1}% full)", n as f64 * 100.0 / cap as f64)?,
+            _ => writeln!(out, "conntrack entries: {n}")?,
+        }
     }
     Ok(())
 }

@@ -722,6 +722,15 @@ fn purge_family<K: CtEntry>(ct: &mut BpfHashMap<MapData, K, K::Value>, wanted: &
 }
 
 /// Number of entries in the pinned conntrack map (for `lb list` and metrics).
+/// Capacity of the conntrack maps (both families), as created.
+pub fn conntrack_capacity(pin_dir: &Path) -> Result<usize> {
+    let mut n = MapData::from_pin(pin_dir.join(MAP_CT))?.info()?.max_entries() as usize;
+    if let Ok(data) = MapData::from_pin(pin_dir.join(MAP_CT6)) {
+        n += data.info()?.max_entries() as usize;
+    }
+    Ok(n)
+}
+
 pub fn conntrack_entries(pin_dir: &Path) -> Result<usize> {
     let data = MapData::from_pin(pin_dir.join(MAP_CT))?;
     let ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(data))?;

@@ -158,8 +158,11 @@ pub enum Stat {
     ServiceRangeDrop = 18,
     /// A new flow to a ClusterIP on a port it does not serve: rejected.
     ClusterIpPortReject = 19,
+    /// A conntrack entry of a new flow could not be inserted (the LRU map found no free
+    /// entry): the packet went on untranslated.
+    TcCtInsertFailed = 20,
 }
-pub const STATS_LEN: u32 = 20;
+pub const STATS_LEN: u32 = 21;
 pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "sock_translated",
     "sock_no_backend",
@@ -181,6 +184,7 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_no_local_backend_drop",
     "service_range_drop",
     "cluster_ip_port_reject",
+    "tc_ct_insert_failed",
 ];
 
 /// Key of `GN_SVC4`.

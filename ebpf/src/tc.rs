@@ -260,9 +260,15 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     // Reply first: once the backend can answer, the answer must be translated.
     let rkey = CtKey4 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
     let rval = CtValue4 { addr: f.daddr, port: f.dport, flags: 0, last_seen_ns: now };
-    GN_CT4.insert(&rkey, &rval, 0).ok()?;
+    if GN_CT4.insert(&rkey, &rval, 0).is_err() {
+        stat(Stat::TcCtInsertFailed);
+        return None;
+    }
     let fval = CtValue4 { addr: be.addr, port: be.port, flags: 0, last_seen_ns: now };
-    GN_CT4.insert(&fkey, &fval, 0).ok()?;
+    if GN_CT4.insert(&fkey, &fval, 0).is_err() {
+        stat(Stat::TcCtInsertFailed);
+        return None;
+    }
     stat(Stat::TcCtCreated);
     dnat(ctx, f, be.addr, be.port)?;
     stat(Stat::TcDnat);
@@ -926,9 +932,15 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     }
     let rkey = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
     let rval = CtValue6 { addr: f.daddr, port: f.dport, flags: 0, _pad: 0, last_seen_ns: now };
-    GN_CT6.insert(&rkey, &rval, 0).ok()?;
+    if GN_CT6.insert(&rkey, &rval, 0).is_err() {
+        stat(Stat::TcCtInsertFailed);
+        return None;
+    }
     let fval = CtValue6 { addr: be.addr, port: be.port, flags: 0, _pad: 0, last_seen_ns: now };
-    GN_CT6.insert(&fkey, &fval, 0).ok()?;
+    if GN_CT6.insert(&fkey, &fval, 0).is_err() {
+        stat(Stat::TcCtInsertFailed);
+        return None;
+    }
     stat(Stat::TcCtCreated);
     nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, f.l4 + 2)?;
     stat(Stat::TcDnat);
