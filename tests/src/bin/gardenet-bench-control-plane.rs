@@ -678,8 +678,19 @@ fn dir_source(a: &Args, world: &World, dir: &Path, rep: &mut Report) -> Result<(
     Ok(())
 }
 
-/// The real agent on those files, nothing attached.
-fn agent_process(bin: &Path, source: &[String], pin: &Path) -> Result<AgentRun> {
+/// Map sizes with room for every frontend and backend of the run (ids are never reused, so
+/// the changes add to the count).
+fn map_sizes(a: &Args) -> MapSizes {
+    let ports = if a.udp { 2 } else { 1 };
+    let need = (ports * (a.services * a.endpoints + a.changes)) as u32;
+    let mut sizes = MapSizes::default();
+    sizes.backends = sizes.backends.max(need + need / 4);
+    sizes.services = sizes.services.max((ports * a.services * (a.endpoints + 2)) as u32 * 5 / 4);
+    sizes
+}
+
+/// The real agent on those files, nothing attached, with maps as large as the in-process run's.
+fn agent_process(bin: &Path, source: &[String], pin: &Path, sizes: &MapSizes) -> Result<AgentRun> {
     if !bin.exists() {
         bail!("{} not found (build it: cargo build --release -p gardenet-agent)", bin.display());
     }
@@ -689,6 +700,8 @@ fn agent_process(bin: &Path, source: &[String], pin: &Path) -> Result<AgentRun> 
         // --kube-proxy-enabled=false: the agent is the Service proxy here (else it stays passive).
         .args(["run", "--no-socket-lb", "--reset", "--detach-on-exit", "--poll-ms", "100", "--node-name", "node-000", "--kube-proxy-enabled=false"])
         .args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "off"])
+        .arg(format!("--map-services={}", sizes.services))
+        .arg(format!("--map-backends={}", sizes.backends))
         .args(source)
         .env("NO_COLOR", "1")
         .arg("--bpffs")
@@ -761,7 +774,7 @@ fn agent_kube(a: &Args, world: &World, bin: &Path, tmp: &Path, pin: &Path) -> Re
         server.apply(slice(i, &world.eps[i], a.udp, world.rv[i]));
     }
     let kc = server.kubeconfig(tmp);
-    let r = agent_process(bin, &["--source=kube".into(), format!("--kubeconfig={}", kc.display())], pin);
+    let r = agent_process(bin, &["--source=kube".into(), format!("--kubeconfig={}", kc.display())], pin, &map_sizes(a));
     drop(server);
     rt.shutdown_timeout(Duration::from_secs(2));
     r
@@ -776,7 +789,6 @@ fn main() -> Result<()> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
     anyhow::ensure!(a.services > 0 && a.services <= 60_000, "--services must be 1..=60000 (VIP range)");
-    let ports = if a.udp { 2 } else { 1 };
     let load_before = loadavg();
     let mut rep = Report { rss_start_kib: status_kib("self", "VmRSS:").unwrap_or(0), ..Default::default() };
 
@@ -791,10 +803,7 @@ fn main() -> Result<()> {
     } else {
         let _pins = RmDir(pin_dir.clone());
         // Room for every backend (ids are never reused, so the changes add to the count).
-        let need = (ports * (a.services * a.endpoints + a.changes)) as u32;
-        let mut sizes = MapSizes::default();
-        sizes.backends = sizes.backends.max(need + need / 4);
-        sizes.services = sizes.services.max((ports * a.services * (a.endpoints + 2)) as u32 * 5 / 4);
+        let sizes = map_sizes(&a);
         let t = Instant::now();
         let mut dp = Dataplane::load(&pin_dir, sizes).context("loading the datapath (not attached anywhere)")?;
         let load = t.elapsed();
@@ -830,7 +839,7 @@ fn main() -> Result<()> {
                 None => std::env::current_exe()?.parent().unwrap().join("gardenet-agent"),
             };
             let apin = PathBuf::from(format!("/sys/fs/bpf/gardenet-bench-{pid}-agent"));
-            rep.agent = Some(agent_process(&bin, &[format!("--source=dir:{}", tmp.display())], &apin).map_err(|e| format!("{e:#}")));
+            rep.agent = Some(agent_process(&bin, &[format!("--source=dir:{}", tmp.display())], &apin, &map_sizes(&a)).map_err(|e| format!("{e:#}")));
             check_stop()?;
             let apin = PathBuf::from(format!("/sys/fs/bpf/gardenet-bench-{pid}-agent-kube"));
             rep.agent_kube = Some(agent_kube(&a, &world, &bin, &tmp, &apin).map_err(|e| format!("{e:#}")));
