@@ -221,6 +221,8 @@ struct Results {
     streams: BTreeMap<String, (usize, f64)>,
     /// Ablation configurations in the order measured: (configuration, rows measured in it).
     ablation: Vec<(String, Vec<String>)>,
+    /// Program name -> instructions the verifier processed (`bpf_prog_info.verified_insns`).
+    verified: BTreeMap<String, u32>,
     timings: Vec<(String, String)>,
     probes: Vec<String>,
 }
@@ -832,6 +834,13 @@ fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         extra.extend(a.extra.iter().map(|x| x.to_string()));
         let opts = AgentOpts { tc: true, extra, ..Default::default() };
         let agent = Agent::start(lab, opts, &[("services.yaml", manifests(n))])?;
+        if res.verified.is_empty() {
+            // Every program of the object is loaded (attached or not): the verifier's work for
+            // each, as `bpftool prog show` reports it.
+            for p in gardenet_tests::bpfstats::programs("gn_")?.into_values() {
+                res.verified.insert(p.name, p.verified_insns);
+            }
+        }
         wait_programmed(&agent, n, Instant::now(), Duration::from_secs(args.program_timeout_s))?;
         let mut modes = vec![Mode { row: abl_row(a.label, "direct"), in_cgroup: false, target: Target::Direct }];
         if a.no_egress {
@@ -1030,6 +1039,12 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
                     ));
                 }
             }
+        }
+    }
+    if !res.verified.is_empty() {
+        o.push_str("\n### Verifier: instructions processed per program (`bpf_prog_info.verified_insns`)\n\n| program | instructions |\n|---|---:|\n");
+        for (name, n) in &res.verified {
+            o.push_str(&format!("| {name} | {} |\n", thousands(*n as f64)));
         }
     }
     o.push_str("\n### Controls\n\n\"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
