@@ -905,8 +905,9 @@ fn fmt_cell(c: Option<&Cell>) -> String {
     s
 }
 
-fn table(out: &mut String, res: &Results, rows: &[String], ns: &[usize]) {
-    out.push_str("| mode |");
+/// A markdown table: one row per mode, one column per service count, each cell as `cell` says.
+fn grid(out: &mut String, res: &Results, head: &str, rows: &[String], ns: &[usize], cell: impl Fn(Option<&Cell>) -> String) {
+    out.push_str(&format!("| {head} |"));
     for n in ns {
         out.push_str(&format!(" {} service{} |", thousands(*n as f64), if *n == 1 { "" } else { "s" }));
     }
@@ -918,10 +919,14 @@ fn table(out: &mut String, res: &Results, rows: &[String], ns: &[usize]) {
     for r in rows {
         out.push_str(&format!("| {r} |"));
         for n in ns {
-            out.push_str(&format!(" {} |", fmt_cell(res.cells.get(&(r.clone(), *n)))));
+            out.push_str(&format!(" {} |", cell(res.cells.get(&(r.clone(), *n)))));
         }
         out.push('\n');
     }
+}
+
+fn table(out: &mut String, res: &Results, rows: &[String], ns: &[usize]) {
+    grid(out, res, "mode", rows, ns, fmt_cell);
 }
 
 fn med(res: &Results, row: &str, n: usize) -> Option<f64> {
@@ -934,26 +939,10 @@ fn lat_med(c: &Cell, k: usize) -> Option<f64> {
 
 /// Latency table: "p50 / p90 / p99" in µs per cell (medians over the runs).
 fn lat_table(out: &mut String, res: &Results, rows: &[String], ns: &[usize]) {
-    out.push_str("| mode (µs: p50 / p90 / p99) |");
-    for n in ns {
-        out.push_str(&format!(" {} service{} |", thousands(*n as f64), if *n == 1 { "" } else { "s" }));
-    }
-    out.push_str("\n|---|");
-    for _ in ns {
-        out.push_str("---:|");
-    }
-    out.push('\n');
-    for r in rows {
-        out.push_str(&format!("| {r} |"));
-        for n in ns {
-            let cell = res.cells.get(&(r.clone(), *n));
-            match cell.and_then(|c| Some((lat_med(c, 0)?, lat_med(c, 1)?, lat_med(c, 2)?))) {
-                Some((a, b, c)) => out.push_str(&format!(" {a:.0} / {b:.0} / {c:.0} |")),
-                None => out.push_str(" n/a |"),
-            }
-        }
-        out.push('\n');
-    }
+    grid(out, res, "mode (µs: p50 / p90 / p99)", rows, ns, |c| match c.and_then(|c| Some((lat_med(c, 0)?, lat_med(c, 1)?, lat_med(c, 2)?))) {
+        Some((a, b, c)) => format!("{a:.0} / {b:.0} / {c:.0}"),
+        None => "n/a".into(),
+    });
 }
 
 fn ratio_line(o: &mut String, what: &str, a: Option<f64>, b: Option<f64>, target: f64) {
