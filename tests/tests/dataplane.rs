@@ -86,7 +86,7 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
     let _g = serial();
     // Socket LB is attached to the lab cgroup, but this client runs outside it: only the TC
     // programs on the node's interface can make the VIP work.
-    let (lab, _agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[0, 1, 2]);
+    let (lab, mut agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[0, 1, 2]);
     let v = lab.client_json(false, &["tcp", "--to", &vip(), "--count", "300"]).unwrap();
     eprintln!("TC LB, 300 TCP connections: {v}");
     assert_spread(&v, 300);
@@ -101,6 +101,16 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
     assert_eq!(b["uploaded"], 10u64 << 20, "{b}");
     assert_eq!(b["downloaded"], 10u64 << 20, "{b}");
     assert_eq!(b["upload_backend"], b["download_backend"], "one connection, one backend: {b}");
+
+    // Conntrack pressure as `lb list` shows it, and no failed insertions.
+    let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("conntrack entries: ")).unwrap_or_else(|| panic!("no conntrack line in: {text}"));
+    let entries: usize = line.split_whitespace().nth(2).and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(entries > 0 && line.contains(" of ") && line.ends_with("% full)"), "{line}");
+    agent.stop();
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("tc_ct_created=") && log.contains("tc_ct_insert_failed=0"), "{log}");
 }
 
 fn backend_removal(socket_lb: bool) {
