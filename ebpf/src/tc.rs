@@ -9,7 +9,7 @@ use aya_ebpf::{
         generated::{bpf_fib_lookup, bpf_get_prandom_u32, bpf_redirect, bpf_redirect_neigh},
     },
     macros::{classifier, map},
-    maps::PerCpuArray,
+    maps::{LruHashMap, PerCpuArray},
     programs::TcContext,
 };
 use gardenet_common::*;
@@ -260,15 +260,9 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
     // Reply first: once the backend can answer, the answer must be translated.
     let rkey = CtKey4 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
     let rval = CtValue4 { addr: f.daddr, port: f.dport, flags: 0, last_seen_ns: now };
-    if GN_CT4.insert(&rkey, &rval, 0).is_err() {
-        stat(Stat::TcCtInsertFailed);
-        return None;
-    }
+    ct_insert(&GN_CT4, &rkey, &rval)?;
     let fval = CtValue4 { addr: be.addr, port: be.port, flags: 0, last_seen_ns: now };
-    if GN_CT4.insert(&fkey, &fval, 0).is_err() {
-        stat(Stat::TcCtInsertFailed);
-        return None;
-    }
+    ct_insert(&GN_CT4, &fkey, &fval)?;
     stat(Stat::TcCtCreated);
     dnat(ctx, f, be.addr, be.port)?;
     stat(Stat::TcDnat);
@@ -365,6 +359,17 @@ fn decrement_hop_limit(ctx: &TcContext) -> Option<()> {
         return None;
     }
     ctx.store(HOP_OFF, &(hops - 1), 0).ok()
+}
+
+/// Inserts a conntrack entry of a new flow; a failure (the LRU map found no free entry) is
+/// counted, and the packet goes on untranslated.
+#[inline(always)]
+fn ct_insert<K, V>(map: &LruHashMap<K, V>, key: &K, val: &V) -> Option<()> {
+    if map.insert(key, val, 0).is_err() {
+        stat(Stat::TcCtInsertFailed);
+        return None;
+    }
+    Some(())
 }
 
 /// Records that a conntrack entry was used at `now`, at most once a second: a store on every
@@ -932,15 +937,9 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
     }
     let rkey = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_REPLY, _pad: 0 };
     let rval = CtValue6 { addr: f.daddr, port: f.dport, flags: 0, _pad: 0, last_seen_ns: now };
-    if GN_CT6.insert(&rkey, &rval, 0).is_err() {
-        stat(Stat::TcCtInsertFailed);
-        return None;
-    }
+    ct_insert(&GN_CT6, &rkey, &rval)?;
     let fval = CtValue6 { addr: be.addr, port: be.port, flags: 0, _pad: 0, last_seen_ns: now };
-    if GN_CT6.insert(&fkey, &fval, 0).is_err() {
-        stat(Stat::TcCtInsertFailed);
-        return None;
-    }
+    ct_insert(&GN_CT6, &fkey, &fval)?;
     stat(Stat::TcCtCreated);
     nat6(ctx, f, &f.daddr, &be.addr, IP6_DST_OFF, f.dport, be.port, f.l4 + 2)?;
     stat(Stat::TcDnat);
