@@ -14,6 +14,7 @@ pub mod model;
 pub mod pinned_link;
 pub mod pipeline;
 pub mod run;
+pub mod sockterm;
 pub mod source;
 pub mod status;
 pub mod translate;

@@ -102,6 +102,11 @@ struct RedirectLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CounterLabel {
     counter: String,
 }
@@ -120,6 +125,7 @@ pub struct Metrics {
     errors: Family<KindLabel, Counter>,
     map_writes: Family<OpLabel, Counter>,
     datapath_packets: Family<CounterLabel, Counter>,
+    socket_terminations: Family<ResultLabel, Counter>,
     kernel_features: Family<FeatureLabel, Gauge>,
     local_redirect_active: Family<RedirectLabel, Gauge>,
     sync_duration: Histogram,
@@ -153,6 +159,7 @@ impl Metrics {
             errors: Family::default(),
             map_writes: Family::default(),
             datapath_packets: Family::default(),
+            socket_terminations: Family::default(),
             kernel_features: Family::default(),
             local_redirect_active: Family::default(),
             // One flush: 100µs .. ~3.3s.
@@ -178,6 +185,11 @@ impl Metrics {
             m.local_redirect_active.clone(),
         );
         r.register("gardenet_map_writes", "BPF map writes by operation", m.map_writes.clone());
+        r.register(
+            "gardenet_socket_terminations",
+            "Connected UDP sockets socket LB had sent to a departed backend, by whether destroying them worked",
+            m.socket_terminations.clone(),
+        );
         r.register("gardenet_datapath_packets", "Datapath packet counters (summed over CPUs)", m.datapath_packets.clone());
         r.register("gardenet_sync_duration_seconds", "Duration of one flush of changes into the BPF maps", m.sync_duration.clone());
         r.register(
@@ -221,6 +233,12 @@ impl Metrics {
         for (name, value) in stats {
             self.datapath_packets.get_or_create(&CounterLabel { counter: (*name).to_owned() }).inner().store(*value, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+
+    /// `gardenet_socket_terminations_total{result="destroyed"|"failed"}`.
+    pub fn observe_socket_termination(&self, t: &crate::sockterm::Terminated) {
+        self.socket_terminations.get_or_create(&ResultLabel { result: "destroyed" }).inc_by(t.destroyed as u64);
+        self.socket_terminations.get_or_create(&ResultLabel { result: "failed" }).inc_by(t.failed as u64);
     }
 
     /// Fill level of one map: alert on `entries / capacity`.

@@ -107,6 +107,10 @@ pub struct RunArgs {
     pub map_backends: Option<u32>,
     #[arg(long)]
     pub map_conntrack: Option<u32>,
+    /// The node's `/proc` (a hostPath mount in the DaemonSet): pods' network namespaces are
+    /// found there when connected UDP sockets to a departed backend must be terminated.
+    #[arg(long, default_value = "/proc")]
+    pub host_proc: PathBuf,
     /// --health-addr, --metrics-addr, --network, --network-kubeconfig, --kube-proxy-enabled.
     #[command(flatten)]
     pub status: status::StatusArgs,
@@ -337,11 +341,23 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let rep = pipeline.flush();
                 metrics.observe_flush(&rep, t_flush.elapsed());
                 if !rep.stale_udp.is_empty() {
-                    // Walks the conntrack map: off the run loop.
-                    let (bpffs, stale) = (args.bpffs.clone(), rep.stale_udp.clone());
-                    tokio::task::spawn_blocking(move || match dataplane::purge_conntrack(&bpffs, &stale) {
-                        Ok(n) => tracing::debug!("removed {n} UDP flows to {} departed backends", stale.len()),
-                        Err(e) => tracing::warn!("removing UDP flows to departed backends: {e:#}"),
+                    // Walks the conntrack map and the node's sockets: off the run loop.
+                    let (bpffs, proc_dir, stale, metrics) = (args.bpffs.clone(), args.host_proc.clone(), rep.stale_udp.clone(), metrics.clone());
+                    tokio::task::spawn_blocking(move || {
+                        match dataplane::purge_conntrack(&bpffs, &stale) {
+                            Ok(n) => tracing::debug!("removed {n} UDP flows to {} departed backends", stale.len()),
+                            Err(e) => tracing::warn!("removing UDP flows to departed backends: {e:#}"),
+                        }
+                        // Socket LB's connected UDP sockets (none when socket LB is off).
+                        match crate::sockterm::terminate(&bpffs, &proc_dir, &stale) {
+                            Ok(t) => {
+                                metrics.observe_socket_termination(&t);
+                                if t.destroyed + t.failed > 0 {
+                                    tracing::info!("terminated {} connected UDP sockets to departed backends ({} failed, {} namespaces searched)", t.destroyed, t.failed, t.namespaces);
+                                }
+                            }
+                            Err(e) => tracing::warn!("terminating UDP sockets connected to departed backends: {e}"),
+                        }
                     });
                 }
                 if let Some(ev) = problem_events.as_mut() {

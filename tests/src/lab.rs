@@ -491,6 +491,57 @@ pub fn assert_udp_flow_leaves_departed_backend(lab: &Lab, agent: &Agent, to: &st
     }
 }
 
+/// A resolver's connected UDP socket through socket LB talks to its backend directly: no map
+/// change moves it. `agent` serves `to` with backend 0 only (manifest `file`, written with
+/// `slice(backends)`). The client connects (to be1), two backends arrive (the socket stays),
+/// then be1 leaves: the agent must destroy the socket (sock_diag in the client's namespace),
+/// the client sees the error and connects again, and from one second after the departure on
+/// its queries reach the remaining backends. be1's server keeps running, so only the
+/// termination can move the client. Prints the timeline and lost queries.
+pub fn assert_connected_udp_leaves_departed_backend(lab: &Lab, agent: &Agent, to: &str, file: &str, slice: impl Fn(&[usize]) -> String) {
+    let now_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+    let udp = format!("{to}/udp");
+    // 300 queries, one every 20 ms (~6 s plus answers).
+    let client = lab
+        .client_cmd(true, &["udp", "--to", to, "--connected", "--count", "300", "--interval-ms", "20", "--timeout-ms", "200", "--trace"])
+        .unwrap()
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    agent.write(file, &slice(&[0, 1, 2])).unwrap();
+    agent.wait_backends(&udp, 3).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    let left = now_ms();
+    agent.write(file, &slice(&[1, 2])).unwrap();
+    agent.wait_backends(&udp, 2).unwrap();
+    let programmed = now_ms() - left;
+    let out = client.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let trace: Vec<(u128, String)> =
+        v["trace"].as_array().unwrap().iter().map(|e| (e[0].as_u64().unwrap() as u128, e[1].as_str().unwrap().to_owned())).collect();
+    let remaining = |a: &str| a == "be2" || a == "be3";
+    let moved = trace.iter().find(|(t, a)| *t >= left && remaining(a)).map(|(t, _)| t - left);
+    let lost: Vec<u128> = trace.iter().filter(|(_, a)| a == "-").map(|(t, _)| *t).collect();
+    eprintln!(
+        "connected UDP via socket LB to {to}: {} queries {:?}, {} reconnects; be1 left at +0 ms, programmed by +{programmed} ms, first answer from a remaining backend at +{moved:?} ms; lost {} {lost:?}",
+        trace.len(),
+        counts(&v),
+        v["reconnects"],
+        lost.len()
+    );
+    assert!(trace.iter().filter(|(t, _)| *t < left).all(|(_, a)| a == "be1"), "pinned to be1 until it left, also after others arrived: {v}");
+    let moved = moved.expect("queries reached a remaining backend");
+    assert!(v["reconnects"].as_u64().unwrap() >= 1, "the socket was destroyed: {v}");
+    let late: Vec<&String> = trace.iter().filter(|(t, _)| *t > left + 1000).map(|(_, a)| a).collect();
+    assert!(!late.is_empty() && late.iter().all(|a| remaining(a)), "first moved at +{moved} ms: {v}");
+    // Only the query in flight when the socket was destroyed may be lost.
+    assert!(lost.len() <= 2, "lost queries at {lost:?} (be1 left at {left})");
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("terminated 1 connected UDP sockets to departed backends (0 failed"), "{log}");
+}
+
 /// How `connect()` to a frontend without backends fails on this kernel: ECONNREFUSED, but
 /// through socket LB on kernels without `bpf_set_retval` (< 5.18) the hook's EPERM.
 pub fn refusal_outcome(socket_lb: bool) -> &'static str {

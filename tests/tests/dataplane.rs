@@ -7,7 +7,8 @@ use std::{
 };
 
 use gardenet_tests::lab::{
-    assert_udp_flow_leaves_departed_backend, backend_ip, counts, refusal_outcome, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
+    assert_connected_udp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts, refusal_outcome, service_yaml, slice_yaml,
+    Agent, AgentOpts, Lab, SERVER_PORT,
 };
 
 /// One lab at a time: tests share the machine's two cores and keep timings sane.
@@ -223,4 +224,13 @@ fn udp_flows_move_off_a_departed_backend() {
     let _g = serial();
     let (lab, agent) = setup(AgentOpts { tc: true, ..Default::default() }, &[0, 1, 2]);
     assert_udp_flow_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", |rest| slice_yaml("web", rest, &["TCP", "UDP"]), 41000);
+}
+
+/// A resolver's connected UDP socket through socket LB is moved off a backend that left the
+/// Service (see `assert_connected_udp_leaves_departed_backend`).
+#[test]
+fn connected_udp_sockets_leave_a_departed_backend_socket_lb() {
+    let _g = serial();
+    let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0]);
+    assert_connected_udp_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", |b| slice_yaml("web", b, &["TCP", "UDP"]));
 }

@@ -188,6 +188,8 @@ fn check_daemonset(ds: &DaemonSet) {
             "/run/gardenet/cgroupv2",
             "--config",
             "/etc/gardenet/config.yaml",
+            "--host-proc",
+            "/hostproc",
             "--kube-proxy-enabled=false"
         ]
     );
@@ -204,7 +206,7 @@ fn check_daemonset(ds: &DaemonSet) {
     }
     let caps: BTreeSet<&str> =
         agent.security_context.as_ref().unwrap().capabilities.as_ref().unwrap().add.as_ref().unwrap().iter().map(String::as_str).collect();
-    assert_eq!(caps, BTreeSet::from(["BPF", "NET_ADMIN", "SYS_ADMIN", "PERFMON", "SYS_RESOURCE"]));
+    assert_eq!(caps, BTreeSet::from(["BPF", "NET_ADMIN", "SYS_ADMIN", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE"]));
 
     // Probes on the health port.
     let port = |name: &str| agent.ports.as_ref().unwrap().iter().find(|p| p.name.as_deref() == Some(name)).map(|p| p.container_port);
@@ -225,6 +227,8 @@ fn check_daemonset(ds: &DaemonSet) {
     assert_eq!(host_path(&bpffs).as_deref(), Some("/sys/fs/bpf"));
     let cgroup = mount("/run/gardenet/cgroupv2").expect("cgroup2 mount");
     assert_eq!(host_path(&cgroup).as_deref(), Some("/run/gardenet/cgroupv2"));
+    let proc = mount("/hostproc").expect("the node's /proc, for --host-proc");
+    assert_eq!(host_path(&proc).as_deref(), Some("/proc"));
     let config = mount("/etc/gardenet").expect("config mount");
     let cm = volumes.iter().find(|v| v.name == config).and_then(|v| v.config_map.as_ref()).expect("config from a ConfigMap");
     let configmap: ConfigMap = one("ConfigMap");

@@ -4,8 +4,8 @@
 use std::sync::{Mutex, MutexGuard};
 
 use gardenet_tests::lab::{
-    assert_udp_flow_leaves_departed_backend, backend_ip6, counts, node_yaml_dual, refusal_outcome, service_yaml_dual, slice_yaml, slice_yaml6, Agent,
-    AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
+    assert_connected_udp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip6, counts, node_yaml_dual, refusal_outcome,
+    service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
 };
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -246,4 +246,13 @@ fn udp_v6_flows_move_off_a_departed_backend() {
     let _g = serial();
     let (lab, agent) = setup(AgentOpts { tc: true, ..Default::default() }, &[0, 1, 2]);
     assert_udp_flow_leaves_departed_backend(&lab, &agent, &vip6(), "eps6.yaml", |rest| slice_yaml6("web", rest, &["TCP", "UDP"]), 41006);
+}
+
+/// The dataplane test's resolver, over IPv6: its connected socket is destroyed when its
+/// backend leaves, and it reconnects to a remaining one.
+#[test]
+fn connected_udp_v6_sockets_leave_a_departed_backend_socket_lb() {
+    let _g = serial();
+    let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0]);
+    assert_connected_udp_leaves_departed_backend(&lab, &agent, &vip6(), "eps6.yaml", |b| slice_yaml6("web", b, &["TCP", "UDP"]));
 }

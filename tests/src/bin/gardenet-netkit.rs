@@ -63,6 +63,10 @@ enum Cmd {
         /// Also print each datagram's send time (Unix ms) and answer ("-" for none).
         #[arg(long)]
         trace: bool,
+        /// One connected socket, as a resolver keeps it; after a socket error (the socket
+        /// was destroyed) a new one is connected, as resolvers do. Prints `reconnects`.
+        #[arg(long, conflicts_with = "fresh_socket")]
+        connected: bool,
     },
     /// Connect, then report getpeername() and the answering backend (TCP, or connected UDP).
     Peername {
@@ -129,8 +133,15 @@ fn main() -> Result<()> {
         Cmd::Serve { name, port, addr: Some(addr) } => serve_on(&name, addr, port),
         Cmd::Serve { name, port, addr: None } => serve(&name, port),
         Cmd::Tcp { to, count, timeout_ms, bind_port } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port),
-        Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port, interval_ms, trace } => {
-            udp(to, count.min(100_000), Duration::from_millis(timeout_ms), fresh_socket, bind_port, Duration::from_millis(interval_ms.min(10_000)), trace)
+        Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port, interval_ms, trace, connected } => {
+            let mode = if fresh_socket {
+                UdpMode::Fresh
+            } else if connected {
+                UdpMode::Connected
+            } else {
+                UdpMode::One
+            };
+            udp(to, count.min(100_000), Duration::from_millis(timeout_ms), mode, bind_port, Duration::from_millis(interval_ms.min(10_000)), trace)
         }
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
@@ -349,33 +360,51 @@ fn any_for(to: SocketAddr) -> SocketAddr {
     }
 }
 
-fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool, bind_port: Option<u16>, interval: Duration, trace: bool) -> Result<()> {
+/// How `udp` uses its sockets.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum UdpMode {
+    /// One unconnected socket (`sendto`).
+    One,
+    /// A new socket (new source port, so a new conntrack flow) per datagram.
+    Fresh,
+    /// One connected socket, replaced by a newly connected one after a socket error.
+    Connected,
+}
+
+fn udp(to: SocketAddr, count: u32, timeout: Duration, mode: UdpMode, bind_port: Option<u16>, interval: Duration, trace: bool) -> Result<()> {
     let local = match bind_port {
         Some(p) => SocketAddr::new(any_for(to).ip(), p),
         None => any_for(to),
     };
-    let mut s = UdpSocket::bind(local)?;
-    s.set_read_timeout(Some(timeout))?;
+    let open = |local: SocketAddr| -> std::io::Result<UdpSocket> {
+        let s = UdpSocket::bind(local)?;
+        s.set_read_timeout(Some(timeout))?;
+        if mode == UdpMode::Connected {
+            s.connect(to)?;
+        }
+        Ok(s)
+    };
+    let mut s = open(local)?;
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut sources: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
     let mut buf = [0u8; 2048];
     let mut traced: Vec<(u128, String)> = Vec::new();
+    let mut reconnects = 0u32;
     for i in 0..count {
         if i > 0 && !interval.is_zero() {
             std::thread::sleep(interval);
         }
-        if fresh {
-            s = UdpSocket::bind(any_for(to))?;
-            s.set_read_timeout(Some(timeout))?;
+        if mode == UdpMode::Fresh {
+            s = open(any_for(to))?;
         }
         let sent = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
-        if let Err(e) = s.send_to(b"HELLO", to) {
-            *errors.entry(err_kind(&e)).or_default() += 1;
-            traced.push((sent, "-".into()));
-            continue;
-        }
-        match s.recv_from(&mut buf) {
+        let r = match mode {
+            UdpMode::Connected => s.send(b"HELLO"),
+            _ => s.send_to(b"HELLO", to),
+        };
+        let r = r.and_then(|_| s.recv_from(&mut buf));
+        match r {
             Ok((n, from)) => {
                 let name = String::from_utf8_lossy(&buf[..n]).into_owned();
                 *counts.entry(name.clone()).or_default() += 1;
@@ -383,16 +412,24 @@ fn udp(to: SocketAddr, count: u32, timeout: Duration, fresh: bool, bind_port: Op
                 traced.push((sent, name));
             }
             Err(e) => {
+                let timed_out = matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut);
                 *errors.entry(err_kind(&e)).or_default() += 1;
                 traced.push((sent, "-".into()));
+                if mode == UdpMode::Connected && !timed_out {
+                    s = open(any_for(to))?;
+                    reconnects += 1;
+                }
             }
         }
     }
+    let mut out = json!({"counts": counts, "sources": sources, "errors": errors});
     if trace {
-        println!("{}", json!({"counts": counts, "sources": sources, "errors": errors, "trace": traced}));
-    } else {
-        println!("{}", json!({"counts": counts, "sources": sources, "errors": errors}));
+        out["trace"] = json!(traced);
     }
+    if mode == UdpMode::Connected {
+        out["reconnects"] = json!(reconnects);
+    }
+    println!("{out}");
     Ok(())
 }
 
