@@ -95,12 +95,11 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
         let ips = dump.service_nets.iter().filter(|(_, k)| *k != crate::lbmap::ServiceNet::Range).count();
         writeln!(out, "service ranges: {} (unallocated addresses dropped; {ips} ClusterIPs: other ports rejected)", ranges.join(", "))?;
     }
-    if let Ok(n) = dataplane::conntrack_entries(bpffs) {
-        match dataplane::conntrack_capacity(bpffs) {
-            // Pressure: an LRU map near its capacity evicts live flows first.
-            Ok(cap) if cap > 0 => writeln!(out, "conntrack entries: {n} of {cap} ({:.1}% full)", n as f64 * 100.0 / cap as f64)?,
-            _ => writeln!(out, "conntrack entries: {n}")?,
-        }
+    // Pressure: an LRU map near its capacity evicts live flows first.
+    for fill in dataplane::conntrack_fill(bpffs).unwrap_or_default() {
+        let family = if fill.map.ends_with("ipv6") { "IPv6" } else { "IPv4" };
+        let pct = if fill.capacity > 0 { fill.entries as f64 * 100.0 / fill.capacity as f64 } else { 0.0 };
+        writeln!(out, "conntrack entries ({family}): {} of {} ({pct:.1}% full)", fill.entries, fill.capacity)?;
     }
     Ok(())
 }

@@ -723,23 +723,21 @@ fn purge_family<K: CtEntry>(ct: &mut BpfHashMap<MapData, K, K::Value>, wanted: &
 
 /// Number of entries in the pinned conntrack map (for `lb list` and metrics).
 /// Capacity of the conntrack maps (both families), as created.
-pub fn conntrack_capacity(pin_dir: &Path) -> Result<usize> {
-    let mut n = MapData::from_pin(pin_dir.join(MAP_CT))?.info()?.max_entries() as usize;
-    if let Ok(data) = MapData::from_pin(pin_dir.join(MAP_CT6)) {
-        n += data.info()?.max_entries() as usize;
+/// Fill of each family's conntrack map (`conntrack_ipv4`, and `conntrack_ipv6` where it is
+/// pinned). Walks the maps: keep it off the run loop.
+pub fn conntrack_fill(pin_dir: &Path) -> Result<Vec<crate::mapfill::Fill>> {
+    let mut out = vec![fill_of::<CtKey4, CtValue4>(&pin_dir.join(MAP_CT), "conntrack_ipv4")?];
+    if pin_dir.join(MAP_CT6).exists() {
+        out.push(fill_of::<CtKey6, CtValue6>(&pin_dir.join(MAP_CT6), "conntrack_ipv6")?);
     }
-    Ok(n)
+    Ok(out)
 }
 
-pub fn conntrack_entries(pin_dir: &Path) -> Result<usize> {
-    let data = MapData::from_pin(pin_dir.join(MAP_CT))?;
-    let ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-    let mut n = ct.keys().filter(|k| k.is_ok()).count();
-    if let Ok(data) = MapData::from_pin(pin_dir.join(MAP_CT6)) {
-        let ct6: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-        n += ct6.keys().filter(|k| k.is_ok()).count();
-    }
-    Ok(n)
+fn fill_of<K: aya::Pod, V: aya::Pod>(pin: &Path, map: &'static str) -> Result<crate::mapfill::Fill> {
+    let data = MapData::from_pin(pin)?;
+    let capacity = data.info()?.max_entries() as usize;
+    let ct: BpfHashMap<MapData, K, V> = BpfHashMap::try_from(Map::LruHashMap(data))?;
+    Ok(crate::mapfill::Fill { map, entries: ct.keys().filter(|k| k.is_ok()).count(), capacity })
 }
 
 #[cfg(test)]

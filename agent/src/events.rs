@@ -1,6 +1,6 @@
 //! Kubernetes Events for Services gardenet cannot program as asked (bad addresses, ports out
 //! of range, conflicting frontends, full maps) and for EndpointSlices without a Service:
-//! `kubectl describe` shows why.
+//! `kubectl describe` shows why. Node-level warnings (a map under pressure) go on the Node.
 use std::collections::HashSet;
 
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -16,6 +16,7 @@ use crate::translate::{Problem, ProblemObject};
 pub struct ProblemEvents {
     recorder: Recorder,
     seen: HashSet<(String, String)>,
+    node: String,
 }
 
 /// Bound on remembered problems; past it the memory is reset (repeats are then re-published,
@@ -25,7 +26,31 @@ const MAX_SEEN: usize = 10_000;
 impl ProblemEvents {
     pub fn new(client: Client, node_name: &str) -> Self {
         let reporter = Reporter { controller: "gardenet-agent".into(), instance: Some(node_name.to_owned()) };
-        ProblemEvents { recorder: Recorder::new(client, reporter), seen: HashSet::new() }
+        ProblemEvents { recorder: Recorder::new(client, reporter), seen: HashSet::new(), node: node_name.to_owned() }
+    }
+
+    /// A Warning Event on the agent's own Node (e.g. a map under pressure).
+    pub fn node_warning(&self, reason: &str, note: &str) {
+        let reference = ObjectReference { api_version: Some("v1".into()), kind: Some("Node".into()), name: Some(self.node.clone()), ..Default::default() };
+        self.publish(
+            Event {
+                type_: EventType::Warning,
+                reason: reason.into(),
+                note: Some(note.chars().take(1000).collect()),
+                action: "Program".into(),
+                secondary: None,
+            },
+            reference,
+        );
+    }
+
+    fn publish(&self, ev: Event, reference: ObjectReference) {
+        let recorder = self.recorder.clone();
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &reference).await {
+                tracing::debug!("publishing an event for {}/{}: {e}", reference.namespace.unwrap_or_default(), reference.name.unwrap_or_default());
+            }
+        });
     }
 
     pub fn report(&mut self, problems: &[Problem]) {
@@ -55,12 +80,7 @@ impl ProblemEvents {
                 action: "Program".into(),
                 secondary: None,
             };
-            let recorder = self.recorder.clone();
-            tokio::spawn(async move {
-                if let Err(e) = recorder.publish(&ev, &reference).await {
-                    tracing::debug!("publishing an event for {}/{}: {e}", reference.namespace.unwrap_or_default(), reference.name.unwrap_or_default());
-                }
-            });
+            self.publish(ev, reference);
         }
     }
 }

@@ -39,7 +39,8 @@ pub struct KernelFeatures {
     pub getpeername_hooks: bool,
     /// `BPF_FIB_LOOKUP_SRC` (6.7): the FIB yields the node's source address for source NAT.
     pub fib_lookup_src: bool,
-    /// The `bpf_sock_destroy` kfunc (6.5), from a socket iterator.
+    /// sock_diag's `SOCK_DESTROY` for UDP sockets (`CONFIG_INET_DIAG_DESTROY`), tried on a
+    /// socket of the agent's own: how connected UDP sockets leave a departed backend.
     pub sock_destroy: bool,
 }
 
@@ -58,8 +59,7 @@ impl KernelFeatures {
             set_retval: probe_helper(BPF_PROG_TYPE_CGROUP_SOCK_ADDR, ATTACH_CGROUP_INET4_CONNECT, HELPER_SET_RETVAL),
             getpeername_hooks: load_trivial(BPF_PROG_TYPE_CGROUP_SOCK_ADDR, ATTACH_CGROUP_INET4_GETPEERNAME).is_ok(),
             fib_lookup_src: probe_fib_lookup_src(),
-            // A kfunc exists when the kernel's BTF names it.
-            sock_destroy: btf_blob.is_some_and(|b| b.windows(18).any(|w| w == b"\0bpf_sock_destroy\0")),
+            sock_destroy: crate::sockterm::probe().is_ok(),
         }
     }
 
@@ -73,7 +73,7 @@ impl KernelFeatures {
             f("tcx", self.tcx, "TC LB attaches as a clsact cls_bpf filter (priority 1, handle 0x6e00)"),
             f("set_retval", self.set_retval, "connect() to a frontend without backends fails at once with EPERM instead of ECONNREFUSED"),
             f("fib_lookup_src", self.fib_lookup_src, "no source NAT to endpoints on other nodes: external traffic is only DNATed"),
-            f("sock_destroy", self.sock_destroy, "sockets connected to a departed backend are not destroyed"),
+            f("sock_destroy", self.sock_destroy, "connected UDP sockets are not moved off a departed backend (no CONFIG_INET_DIAG_DESTROY)"),
         ]
     }
 

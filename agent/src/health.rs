@@ -77,6 +77,9 @@ pub struct Readiness {
     pub last_sync_at: Option<std::time::SystemTime>,
     /// Dataplane prerequisites this node lacks (`gardener::capability::check`).
     pub missing: Vec<String>,
+    /// Maps at least 90% full, one line each (`crate::mapfill`): not a readiness condition,
+    /// reported as the Node's `GardenetMapPressure` condition.
+    pub map_pressure: Vec<String>,
 }
 
 impl Readiness {
@@ -121,7 +124,7 @@ pub struct AgentState {
     last_beat_ms: AtomicU64,
     liveness_timeout: Duration,
     startup_grace: Duration,
-    /// Bumped whenever the readiness verdict (or its reasons) changes.
+    /// Bumped whenever the readiness verdict (or its reasons) or the map pressure changes.
     changes: watch::Sender<u64>,
     /// The node may receive load-balancer traffic (not being deleted, not marked for removal
     /// by the cluster autoscaler), as kube-proxy's health check reports it.
@@ -166,19 +169,23 @@ impl AgentState {
         self.readiness.read().unwrap_or_else(|e| e.into_inner()).ready()
     }
 
-    /// Changes readiness parts; subscribers are woken only if the verdict or its reasons
-    /// changed (not for every `last_sync`), so they can afford to react to each wake-up.
+    /// Changes readiness parts; subscribers are woken only if the verdict, its reasons or the map
+    /// pressure changed (not for every `last_sync`), so they can afford to react to each wake-up.
     pub fn update(&self, f: impl FnOnce(&mut Readiness)) {
         // A panic while holding the lock cannot leave a half-updated struct of plain
         // fields behind in a way that matters here: keep going with what is there.
         let mut r = self.readiness.write().unwrap_or_else(|e| e.into_inner());
-        let before = r.ready();
+        let before = (r.ready(), r.map_pressure.clone());
         f(&mut r);
-        let after = r.ready();
+        let after = (r.ready(), r.map_pressure.clone());
         drop(r);
         if before != after {
             self.changes.send_modify(|generation| *generation += 1);
         }
+    }
+
+    pub fn set_map_pressure(&self, pressure: Vec<String>) {
+        self.update(|r| r.map_pressure = pressure);
     }
 
     pub fn set_programs_loaded(&self, loaded: bool) {

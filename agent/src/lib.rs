@@ -9,6 +9,7 @@ pub mod healthcheck;
 pub mod lbmap;
 pub mod links;
 pub mod listeners;
+pub mod mapfill;
 pub mod metrics;
 pub mod model;
 pub mod pinned_link;

@@ -120,6 +120,7 @@ pub struct Metrics {
     backends: Gauge,
     map_entries: Family<MapLabel, Gauge>,
     map_capacity: Family<MapLabel, Gauge>,
+    map_pressure: Family<MapLabel, Gauge>,
     conntrack_entries: Gauge,
     interface_attached: Family<InterfaceLabel, Gauge>,
     errors: Family<KindLabel, Counter>,
@@ -154,6 +155,7 @@ impl Metrics {
             backends: Gauge::default(),
             map_entries: Family::default(),
             map_capacity: Family::default(),
+            map_pressure: Family::default(),
             conntrack_entries: Gauge::default(),
             interface_attached: Family::default(),
             errors: Family::default(),
@@ -175,6 +177,7 @@ impl Metrics {
         r.register("gardenet_backends", "Distinct backends programmed in the datapath", m.backends.clone());
         r.register("gardenet_map_entries", "Entries in a BPF map", m.map_entries.clone());
         r.register("gardenet_map_capacity", "Capacity (max entries) of a BPF map", m.map_capacity.clone());
+        r.register("gardenet_map_pressure", "1 while a BPF map is at least 90% full (reported before it overflows)", m.map_pressure.clone());
         r.register("gardenet_conntrack_entries", "Entries in the datapath's connection tracking map", m.conntrack_entries.clone());
         r.register("gardenet_interface_attached", "1 if the TC load balancer is attached to the interface", m.interface_attached.clone());
         r.register("gardenet_errors", "Errors by kind", m.errors.clone());
@@ -241,11 +244,12 @@ impl Metrics {
         self.socket_terminations.get_or_create(&ResultLabel { result: "failed" }).inc_by(t.failed as u64);
     }
 
-    /// Fill level of one map: alert on `entries / capacity`.
-    pub fn set_map_fill(&self, map: &str, entries: usize, capacity: usize) {
-        let label = MapLabel { map: map.to_owned() };
-        self.map_entries.get_or_create(&label).set(gauge_value(entries));
-        self.map_capacity.get_or_create(&label).set(gauge_value(capacity));
+    /// Fill level of one map: alert on `entries / capacity` or on `gardenet_map_pressure`.
+    pub fn set_map_fill(&self, fill: &crate::mapfill::Fill) {
+        let label = MapLabel { map: fill.map.to_owned() };
+        self.map_entries.get_or_create(&label).set(gauge_value(fill.entries));
+        self.map_capacity.get_or_create(&label).set(gauge_value(fill.capacity));
+        self.map_pressure.get_or_create(&label).set(i64::from(fill.under_pressure()));
     }
 
     /// `gardenet_kernel_feature{feature}`: 1 where the running kernel has it (see `features`).
@@ -348,7 +352,8 @@ mod tests {
         m.set_programmed(3, 4, 2);
         m.set_datapath(&[("sock_lb_hits", 42), ("tc_lb_hits", 7)]);
         m.set_datapath(&[("sock_lb_hits", 40)]);
-        m.set_map_fill("services", 10, 65536);
+        m.set_map_fill(&crate::mapfill::Fill { map: "services", entries: 10, capacity: 65536 });
+        m.set_map_fill(&crate::mapfill::Fill { map: "conntrack", entries: 950, capacity: 1000 });
         m.set_conntrack_entries(9);
         m.set_interface("eth0", true);
         m.set_interface("eth1", false);
@@ -363,6 +368,8 @@ mod tests {
             "gardenet_backends 4",
             "gardenet_map_entries{map=\"services\"} 10",
             "gardenet_map_capacity{map=\"services\"} 65536",
+            "gardenet_map_pressure{map=\"services\"} 0",
+            "gardenet_map_pressure{map=\"conntrack\"} 1",
             "gardenet_conntrack_entries 9",
             "gardenet_interface_attached{interface=\"eth0\"} 1",
             "gardenet_interface_attached{interface=\"eth1\"} 0",

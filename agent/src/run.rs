@@ -17,6 +17,7 @@ use crate::{
     health::AgentState,
     lbmap::LbState,
     listeners::ListenerWatch,
+    mapfill::{Change, Fill, MapFills},
     metrics::{ErrorKind, Metrics},
     pipeline::Pipeline,
     source::{self, SourceEvent},
@@ -107,6 +108,9 @@ pub struct RunArgs {
     pub map_backends: Option<u32>,
     #[arg(long)]
     pub map_conntrack: Option<u32>,
+    /// How often the conntrack map is counted (its fill metric and pressure), in seconds.
+    #[arg(long, default_value_t = 30)]
+    pub conntrack_scan_secs: u64,
     /// The node's `/proc` (a hostPath mount in the DaemonSet): pods' network namespaces are
     /// found there when connected UDP sockets to a departed backend must be terminated.
     #[arg(long, default_value = "/proc")]
@@ -124,6 +128,23 @@ const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 pub fn node_eligible(node: &k8s_openapi::api::core::v1::Node) -> bool {
     let tainted = node.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
     node.metadata.deletion_timestamp.is_none() && !tainted
+}
+
+/// Records a map's fill (metrics) and reports when it comes under pressure or leaves it
+/// (log, Node condition via the agent state, Warning Event on the Node).
+fn note_fill(fills: &mut MapFills, fill: Fill, metrics: &Metrics, state: &AgentState, events: Option<&crate::events::ProblemEvents>) {
+    metrics.set_map_fill(&fill);
+    match fills.set(fill) {
+        Some(Change::Pressure(f)) => {
+            tracing::warn!("{f}: at {}% it is under pressure; raise its size in the NetworkConfig before it overflows", crate::mapfill::PRESSURE_PERCENT);
+            if let Some(ev) = events {
+                ev.node_warning("MapPressure", &format!("{f}; raise its size in the NetworkConfig before it overflows"));
+            }
+        }
+        Some(Change::Relieved(f)) => tracing::info!("{f}: no longer under pressure"),
+        None => return,
+    }
+    state.set_map_pressure(fills.pressure());
 }
 
 fn note_node(state: &AgentState, ev: &SourceEvent) {
@@ -318,8 +339,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let state_dir = args.state_dir.clone().unwrap_or_else(|| default_state_dir(&args.bpffs));
     links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
     let mut tick = tokio::time::interval(Duration::from_millis(500));
-    let mut conntrack_tick = tokio::time::interval(Duration::from_secs(30));
-    let (map_services, map_backends, map_conntrack) = (sizes.services as usize, sizes.backends as usize, sizes.conntrack as usize);
+    let mut conntrack_tick = tokio::time::interval(Duration::from_secs(args.conntrack_scan_secs.max(1)));
+    let (ct_tx, mut ct_rx) = tokio::sync::mpsc::channel::<Vec<Fill>>(1);
+    let mut fills = MapFills::default();
+    let (map_services, map_backends) = (sizes.services as usize, sizes.backends as usize);
     state.beat();
 
     let mut health_checks = crate::healthcheck::HealthCheckServers::default();
@@ -355,6 +378,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
                                 if t.destroyed + t.failed > 0 {
                                     tracing::info!("terminated {} connected UDP sockets to departed backends ({} failed, {} namespaces searched)", t.destroyed, t.failed, t.namespaces);
                                 }
+                                if let Some(why) = &t.first_skip {
+                                    tracing::warn!("socket termination: {} of {} network namespaces not searched, e.g. {why}", t.skipped_namespaces, t.namespaces);
+                                }
+                                tracing::debug!("socket termination: {t:?}");
                             }
                             Err(e) => tracing::warn!("terminating UDP sockets connected to departed backends: {e}"),
                         }
@@ -368,9 +395,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
                 let lb = pipeline.lb();
                 metrics.set_programmed(lb.frontend_count(), lb.backend_count(), pipeline.service_count());
-                metrics.set_map_fill("services", lb.service_entries(), map_services);
-                metrics.set_map_fill("backends", lb.backend_count(), map_backends);
-                metrics.set_map_fill("service_nets", pipeline.service_nets().len(), gardenet_common::DEFAULT_SERVICE_NETS_MAX as usize);
+                for fill in [
+                    Fill { map: "services", entries: lb.service_entries(), capacity: map_services },
+                    Fill { map: "backends", entries: lb.backend_count(), capacity: map_backends },
+                    Fill { map: "service_nets", entries: pipeline.service_nets().len(), capacity: gardenet_common::DEFAULT_SERVICE_NETS_MAX as usize },
+                ] {
+                    note_fill(&mut fills, fill, &metrics, &state, problem_events.as_ref());
+                }
                 state.set_synced(pipeline.is_synced());
                 health_checks.update(pipeline.health_checks());
                 if rep.services > 0 {
@@ -418,14 +449,19 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             _ = conntrack_tick.tick() => {
-                // Walks the whole conntrack map: off the run loop.
-                let (bpffs, metrics) = (args.bpffs.clone(), metrics.clone());
+                // Walks the conntrack maps: off the run loop; the fills come back below.
+                let (bpffs, ct_tx) = (args.bpffs.clone(), ct_tx.clone());
                 tokio::task::spawn_blocking(move || {
-                    if let Ok(n) = dataplane::conntrack_entries(&bpffs) {
-                        metrics.set_conntrack_entries(n);
-                        metrics.set_map_fill("conntrack", n, map_conntrack);
+                    if let Ok(fills) = dataplane::conntrack_fill(&bpffs) {
+                        let _ = ct_tx.try_send(fills);
                     }
                 });
+            }
+            Some(ct) = ct_rx.recv() => {
+                metrics.set_conntrack_entries(ct.iter().map(|f| f.entries).sum());
+                for fill in ct {
+                    note_fill(&mut fills, fill, &metrics, &state, problem_events.as_ref());
+                }
             }
             _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted, exiting"); break }
             _ = sigterm.recv() => { tracing::info!("terminated, exiting"); break }

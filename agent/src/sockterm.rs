@@ -46,7 +46,7 @@ pub enum TerminateError {
 }
 
 /// What one round of termination did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Terminated {
     /// Socket LB translations to a departed pair (sockets that may still exist).
     pub candidates: usize,
@@ -57,6 +57,8 @@ pub struct Terminated {
     pub failed: usize,
     /// Namespaces that could not be entered or queried (e.g. the process exited meanwhile).
     pub skipped_namespaces: usize,
+    /// Why the first skipped namespace was skipped.
+    pub first_skip: Option<String>,
 }
 
 /// Destroys the connected UDP sockets that socket LB translated to one of the `departed`
@@ -86,11 +88,35 @@ pub fn terminate(pin_dir: &Path, proc_dir: &Path, departed: &[(Frontend, Backend
             }
             Err(e) => {
                 tracing::debug!("socket termination: skipping {}: {e}", ns.display());
+                out.first_skip.get_or_insert_with(|| format!("{}: {e}", ns.display()));
                 out.skipped_namespaces += 1;
             }
         }
     }
     Ok(out)
+}
+
+/// Whether this kernel destroys UDP sockets through sock_diag: connects a UDP socket of our
+/// own on loopback and destroys it the way [`terminate`] would.
+pub fn probe() -> io::Result<()> {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    s.connect(s.local_addr()?)?;
+    let cookies = HashMap::from([(cookie(&s)?, s.local_addr()?)]);
+    match destroy_in(Path::new("/proc/thread-self/ns/net"), &cookies)? {
+        (1, 0) => Ok(()),
+        (d, f) => Err(io::Error::other(format!("probe socket: {d} destroyed, {f} failed"))),
+    }
+}
+
+/// The socket's cookie (`SO_COOKIE`), as socket LB's maps and sock_diag know it.
+fn cookie(s: &impl AsRawFd) -> io::Result<u64> {
+    let mut c = 0u64;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: SO_COOKIE writes a u64 into `c`, `len` says how much room there is.
+    if unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_COOKIE, (&mut c as *mut u64).cast(), &mut len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(c)
 }
 
 /// A socket LB reverse-translation entry of either family.
@@ -349,15 +375,6 @@ mod tests {
 
     use super::*;
 
-    fn cookie(s: &UdpSocket) -> u64 {
-        let mut c = 0u64;
-        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-        // SAFETY: SO_COOKIE writes a u64 into `c`.
-        let r = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_COOKIE, (&mut c as *mut u64).cast(), &mut len) };
-        assert_eq!(r, 0, "SO_COOKIE: {}", io::Error::last_os_error());
-        c
-    }
-
     #[test]
     fn parses_a_dump_message_and_stops_at_done() {
         let mut id = [0u8; 48];
@@ -410,7 +427,7 @@ mod tests {
         keep.connect(to).unwrap();
         // An IPv6 socket with an IPv4 peer, as socket LB's v4-mapped translation leaves it.
         kill.connect(SocketAddr::new(Ipv4Addr::LOCALHOST.to_ipv6_mapped().into(), to.port())).unwrap();
-        let cookies = HashMap::from([(cookie(&kill), to), (cookie(&keep), "127.0.0.1:1".parse().unwrap())]);
+        let cookies = HashMap::from([(cookie(&kill).unwrap(), to), (cookie(&keep).unwrap(), "127.0.0.1:1".parse().unwrap())]);
         let ns = PathBuf::from(format!("/proc/{}/ns/net", std::process::id()));
         assert_eq!(destroy_in(&ns, &cookies).unwrap(), (1, 0), "only the cookie whose peer matches");
         kill.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -418,6 +435,11 @@ mod tests {
         assert_eq!(e.raw_os_error(), Some(libc::ECONNABORTED), "{e}");
         keep.send(b"x").unwrap();
         assert_eq!(server.recv(&mut [0; 16]).unwrap(), 1, "the other socket still works");
+    }
+
+    #[test]
+    fn this_kernel_destroys_udp_sockets() {
+        probe().unwrap();
     }
 
     #[test]

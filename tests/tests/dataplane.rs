@@ -106,8 +106,8 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
     // Conntrack pressure as `lb list` shows it, and no failed insertions.
     let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with("conntrack entries: ")).unwrap_or_else(|| panic!("no conntrack line in: {text}"));
-    let entries: usize = line.split_whitespace().nth(2).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let line = text.lines().find(|l| l.starts_with("conntrack entries (IPv4): ")).unwrap_or_else(|| panic!("no conntrack line in: {text}"));
+    let entries: usize = line.split_whitespace().nth(3).and_then(|n| n.parse().ok()).unwrap_or(0);
     assert!(entries > 0 && line.contains(" of ") && line.ends_with("% full)"), "{line}");
     agent.stop();
     let log = agent.log.lock().unwrap().join("\n");
@@ -233,4 +233,63 @@ fn connected_udp_sockets_leave_a_departed_backend_socket_lb() {
     let _g = serial();
     let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0]);
     assert_connected_udp_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", |b| slice_yaml("web", b, &["TCP", "UDP"]));
+}
+
+/// `lb list`'s IPv4 conntrack line: (entries, percent full).
+fn conntrack_fill(agent: &Agent) -> (usize, usize) {
+    let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("conntrack entries (IPv4): ")).unwrap_or_else(|| panic!("no conntrack line in: {text}"));
+    let entries = line.split_whitespace().nth(3).and_then(|n| n.parse().ok()).unwrap();
+    let percent = line.rsplit_once('(').and_then(|(_, p)| p.split('%').next()).and_then(|p| p.parse::<f64>().ok()).unwrap();
+    (entries, percent as usize)
+}
+
+/// Conntrack pressure: with a 4,096-entry conntrack map filled past 90% by short UDP flows,
+/// established TCP flows through TC LB keep working, nothing fails to insert, `lb list` shows
+/// the fill and the agent reports the pressure (log; the same transition sets the
+/// `GardenetMapPressure` Node condition and `gardenet_map_pressure{map="conntrack"}`).
+#[test]
+fn established_flows_survive_a_conntrack_map_at_ninety_percent() {
+    let _g = serial();
+    let extra = vec!["--map-conntrack=4096".into(), "--conntrack-scan-secs=1".into()];
+    let (lab, mut agent) = setup(AgentOpts { tc: true, extra, ..Default::default() }, &[0, 1, 2]);
+    let mut hold = lab.client_cmd(false, &["hold", "--to", &vip(), "--conns", "20"]).unwrap().stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut out = BufReader::new(hold.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let before: serde_json::Value = serde_json::from_str(&line).unwrap();
+
+    // Short flows: one datagram from a fresh socket each (a new conntrack flow), in rounds of
+    // 200 until the map is at least 90% full (bounded: 30 rounds).
+    let mut rounds = 0;
+    let (entries, percent) = loop {
+        let fill = conntrack_fill(&agent);
+        if fill.1 >= 90 {
+            break fill;
+        }
+        assert!(rounds < 30, "conntrack never reached 90%: {fill:?}");
+        let v = lab.client_json(false, &["udp", "--to", &vip(), "--count", "200", "--fresh-socket", "--timeout-ms", "500"]).unwrap();
+        assert_eq!(counts(&v).iter().map(|(_, n)| n).sum::<u64>(), 200, "every short flow answered: {v}");
+        rounds += 1;
+    };
+    eprintln!("conntrack: {entries} entries ({percent}% of 4096) after {rounds} rounds of 200 short UDP flows");
+
+    // The agent notices within its scan interval (1 s here).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !agent.log.lock().unwrap().iter().any(|l| l.contains("conntrack_ipv4 map") && l.contains("under pressure")) {
+        assert!(std::time::Instant::now() < deadline, "no pressure report: {}", agent.log.lock().unwrap().join("\n"));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+
+    // Every established flow still works, on the backend it had.
+    hold.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    let after: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(after["after"], before["names"], "established flows kept their backends: {after}");
+    hold.wait().unwrap();
+    agent.stop();
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("tc_ct_insert_failed=0"), "{log}");
 }

@@ -15,7 +15,8 @@ fn probe_agrees_with_the_kernel_release() {
     // nodeport_snat checks that source NAT then really works).
     assert_eq!(f.tcx, at_least(6, 6), "tcx");
     assert_eq!(f.set_retval, at_least(5, 18), "bpf_set_retval");
-    assert_eq!(f.sock_destroy, at_least(6, 5), "bpf_sock_destroy");
+    // Debian builds every kernel of the matrix with CONFIG_INET_DIAG_DESTROY.
+    assert!(f.sock_destroy, "sock_diag SOCK_DESTROY of UDP sockets");
     assert!(f.btf && f.cgroup_link && f.getpeername_hooks, "the floor (5.10) has these: {f:?}");
     assert_eq!(f.missing_required(), None);
 }

@@ -10,7 +10,11 @@ use std::{
 };
 
 use gardenet_agent::{
-    gardener::{aggregate::NODE_CONDITION_AGENT_READY, network::Network, PROVIDER_API_VERSION},
+    gardener::{
+        aggregate::{NODE_CONDITION_AGENT_READY, NODE_CONDITION_MAP_PRESSURE},
+        network::Network,
+        PROVIDER_API_VERSION,
+    },
     health::AgentState,
     status::{
         network::Outcome, node::Report, shutdown_channel, Elector, Leadership, LeaseTiming, NetworkRef, NetworkReporter, NetworkReporterConfig, NodeReporter,
@@ -373,6 +377,39 @@ async fn node_condition_write_keeps_other_conditions() {
     // Shutting down leaves a not-ready condition behind.
     assert_eq!(within("report", reporter.report(true, true)).await.unwrap(), Report::Written);
     assert_eq!(conditions(&server)[1]["message"], "gardenet agent is shutting down");
+}
+
+/// A map at 90% puts `GardenetMapPressure=True` on the Node (next to, not instead of, the
+/// readiness condition, which stays True); below again it turns False. A Node that never had
+/// pressure gets no such condition.
+#[tokio::test]
+async fn map_pressure_condition_appears_under_pressure_and_clears() {
+    let server = ApiServer::start().await;
+    server.apply(node("n1", false, json!([])));
+    let state = ready_state();
+    let reporter = NodeReporter::new(client(&server), "n1", state.clone(), NodeReporterConfig::default()).unwrap();
+    let conditions = |server: &ApiServer| server.get("Node", None, "n1").unwrap()["status"]["conditions"].clone();
+    let find = |cs: &Value, kind: &str| cs.as_array().unwrap().iter().find(|c| c["type"] == kind).cloned();
+
+    assert_eq!(within("report", reporter.report(false, false)).await.unwrap(), Report::Written);
+    assert!(find(&conditions(&server), NODE_CONDITION_MAP_PRESSURE).is_none(), "no pressure, no condition: {}", conditions(&server));
+
+    state.set_map_pressure(vec!["conntrack map 93% full (3809 of 4096 entries)".into()]);
+    assert_eq!(within("report", reporter.report(false, false)).await.unwrap(), Report::Written);
+    let cs = conditions(&server);
+    let p = find(&cs, NODE_CONDITION_MAP_PRESSURE).expect("pressure condition");
+    assert_eq!(p["status"], "True");
+    assert_eq!(p["reason"], "MapPressure");
+    assert!(p["message"].as_str().unwrap().starts_with("conntrack map 93% full (3809 of 4096 entries); raise"), "{p}");
+    assert_eq!(find(&cs, NODE_CONDITION_AGENT_READY).unwrap()["status"], "True", "pressure is not unreadiness");
+    assert_eq!(within("report", reporter.report(false, false)).await.unwrap(), Report::Unchanged);
+
+    state.set_map_pressure(Vec::new());
+    assert_eq!(within("report", reporter.report(false, false)).await.unwrap(), Report::Written);
+    let p = find(&conditions(&server), NODE_CONDITION_MAP_PRESSURE).unwrap();
+    assert_eq!(p["status"], "False");
+    assert_eq!(p["reason"], "MapsHaveRoom");
+    assert_eq!(conditions(&server).as_array().unwrap().len(), 2);
 }
 
 #[tokio::test]

@@ -36,6 +36,10 @@ pub const CONDITION_SERVICE_ROUTING_READY: &str = "ServiceRoutingReady";
 
 /// The Node condition each agent maintains on its own Node.
 pub const NODE_CONDITION_AGENT_READY: &str = "GardenetAgentReady";
+/// Node condition: a datapath map is at least 90% full (written only once it has been True).
+pub const NODE_CONDITION_MAP_PRESSURE: &str = "GardenetMapPressure";
+pub const REASON_MAP_PRESSURE: &str = "MapPressure";
+pub const REASON_MAPS_HAVE_ROOM: &str = "MapsHaveRoom";
 
 /// `kind` of gardenet's `providerStatus`.
 pub const PROVIDER_STATUS_KIND: &str = "NetworkStatus";
@@ -376,6 +380,24 @@ pub fn node_condition(ready: bool, capability: &CapabilityReport, detail: Option
         last_heartbeat_time: Some(now.clone()),
         // The API server does not keep transition times for us; the agent should keep the
         // previous value when the status did not change.
+        last_transition_time: Some(now.clone()),
+    }
+}
+
+/// The Node condition that says a datapath map is at least 90% full (`crate::mapfill`): True
+/// with one line per map under pressure, False once all are below again.
+pub fn map_pressure_condition(pressure: &[String], now: &Time) -> NodeCondition {
+    let (status, reason, message) = if pressure.is_empty() {
+        ("False", REASON_MAPS_HAVE_ROOM, "gardenet's datapath maps are below 90% of their capacity".to_owned())
+    } else {
+        ("True", REASON_MAP_PRESSURE, format!("{}; raise the map sizes in the NetworkConfig before they overflow", pressure.join("; ")))
+    };
+    NodeCondition {
+        type_: NODE_CONDITION_MAP_PRESSURE.to_owned(),
+        status: status.to_owned(),
+        reason: Some(reason.to_owned()),
+        message: Some(message),
+        last_heartbeat_time: Some(now.clone()),
         last_transition_time: Some(now.clone()),
     }
 }

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use super::{api_code, stopped, timed, Shutdown};
 use crate::{
     gardener::{
-        aggregate::{node_condition, NODE_CONDITION_AGENT_READY},
+        aggregate::{map_pressure_condition, node_condition},
         capability::CapabilityReport,
     },
     health::AgentState,
@@ -119,17 +119,35 @@ impl NodeReporter {
         node_condition(pending.is_empty(), &capability, detail.as_deref(), &now)
     }
 
+    /// The map pressure condition the agent's state calls for now.
+    pub fn desired_pressure(&self) -> NodeCondition {
+        map_pressure_condition(&self.state.snapshot().map_pressure, &Time(Timestamp::now()))
+    }
+
     /// Writes `desired(stopping)` if it differs from the Node's condition, or always when
-    /// `heartbeat` is set.
+    /// `heartbeat` is set; then the map pressure condition, which is only added to a Node once
+    /// it is True (a Node without it has no pressure).
     pub async fn report(&self, heartbeat: bool, stopping: bool) -> anyhow::Result<Report> {
+        let ready = self.report_condition(|| self.desired(stopping), heartbeat, true).await?;
+        let pressure = self.report_condition(|| self.desired_pressure(), heartbeat, false).await?;
+        Ok(if ready == Report::Written || pressure == Report::Written { Report::Written } else { Report::Unchanged })
+    }
+
+    /// Writes one condition (`want().type_`) of the Node. `add_false`: add it also when it is
+    /// False and the Node does not have it yet.
+    async fn report_condition(&self, want: impl Fn() -> NodeCondition, heartbeat: bool, add_false: bool) -> anyhow::Result<Report> {
         let limit = self.config.request_timeout;
         for _ in 0..ATTEMPTS {
-            let mut want = self.desired(stopping);
+            let mut want = want();
+            let kind = want.type_.clone();
             let node = timed(limit, "reading own Node", self.nodes.get(&self.node)).await?.with_context(|| format!("reading Node {}", self.node))?;
             let rv = node.metadata.resource_version.clone().unwrap_or_default();
             let status = node.status.as_ref();
             let conditions = status.and_then(|s| s.conditions.as_ref());
-            let ours = conditions.and_then(|cs| cs.iter().position(|c| c.type_ == NODE_CONDITION_AGENT_READY));
+            let ours = conditions.and_then(|cs| cs.iter().position(|c| c.type_ == kind));
+            if ours.is_none() && !add_false && want.status == "False" {
+                return Ok(Report::Unchanged);
+            }
             let ops = match (status, conditions, ours) {
                 (_, Some(cs), Some(i)) => {
                     let have = &cs[i];
@@ -141,7 +159,7 @@ impl NodeReporter {
                         return Ok(Report::Unchanged);
                     }
                     json!([
-                        {"op": "test", "path": format!("/status/conditions/{i}/type"), "value": NODE_CONDITION_AGENT_READY},
+                        {"op": "test", "path": format!("/status/conditions/{i}/type"), "value": kind},
                         {"op": "replace", "path": format!("/status/conditions/{i}"), "value": want},
                     ])
                 }
