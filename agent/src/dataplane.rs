@@ -60,6 +60,8 @@ pub struct Dataplane {
     pub xdp_mode: XdpMode,
     /// What this kernel offers; decides the programs and attachments used.
     pub features: KernelFeatures,
+    /// Pinned maps replaced at load, to finish once the programs are attached.
+    migration: Option<crate::layout::Migration>,
 }
 
 /// Where TC LB sits on kernels without tcx: a cls_bpf filter on the clsact qdisc at this
@@ -117,7 +119,35 @@ pub fn remove_pins(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The capacities the loader gives each configurable map.
+fn size_overrides(sizes: &MapSizes) -> [(&'static str, u32); 12] {
+    [
+        (MAP_SERVICES, sizes.services),
+        (MAP_BACKENDS, sizes.backends),
+        (MAP_SOCK_REVNAT, sizes.sock_revnat),
+        (MAP_CT, sizes.conntrack),
+        (MAP_AFFINITY, sizes.affinity),
+        (MAP_AFFINITY_MATCH, sizes.affinity),
+        (MAP_SERVICES6, sizes.services),
+        (MAP_BACKENDS6, sizes.backends),
+        (MAP_SOCK_REVNAT6, sizes.sock_revnat),
+        (MAP_CT6, sizes.conntrack),
+        (MAP_AFFINITY6, sizes.affinity),
+        (MAP_AFFINITY_MATCH6, sizes.affinity),
+    ]
+}
+
 impl Dataplane {
+    /// Completes a migration of pinned maps (`crate::layout`) once the programs are attached:
+    /// copies the entries the old programs created meanwhile, removes the old pins.
+    pub fn finish_migration(&mut self) -> Result<()> {
+        if let Some(m) = self.migration.take() {
+            let n = m.finish()?;
+            tracing::info!("pinned maps migrated ({n} entries created during the switch copied)");
+        }
+        Ok(())
+    }
+
     /// Loads programs and maps. Maps already pinned in `pin_dir` are reused, so a restarted
     /// agent keeps services and conntrack entries.
     pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Self> {
@@ -133,22 +163,16 @@ impl Dataplane {
         }
         ensure_bpffs(pin_dir)?;
         fs::create_dir_all(pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
-        let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(pin_dir)
-            .map_max_entries(MAP_SERVICES, sizes.services)
-            .map_max_entries(MAP_BACKENDS, sizes.backends)
-            .map_max_entries(MAP_SOCK_REVNAT, sizes.sock_revnat)
-            .map_max_entries(MAP_CT, sizes.conntrack)
-            .map_max_entries(MAP_AFFINITY, sizes.affinity)
-            .map_max_entries(MAP_AFFINITY_MATCH, sizes.affinity)
-            .map_max_entries(MAP_SERVICES6, sizes.services)
-            .map_max_entries(MAP_BACKENDS6, sizes.backends)
-            .map_max_entries(MAP_SOCK_REVNAT6, sizes.sock_revnat)
-            .map_max_entries(MAP_CT6, sizes.conntrack)
-            .map_max_entries(MAP_AFFINITY6, sizes.affinity)
-            .map_max_entries(MAP_AFFINITY_MATCH6, sizes.affinity)
-            .load(EBPF_OBJECT)
-            .context("loading the eBPF object (maps pinned with other sizes? start with --reset)")?;
+        let sizes = size_overrides(&sizes);
+        let migration = crate::layout::prepare(pin_dir, &crate::layout::expected(EBPF_OBJECT, &sizes)?)?;
+        let mut loader = EbpfLoader::new();
+        loader.default_map_pin_directory(pin_dir);
+        for (map, entries) in sizes {
+            loader.map_max_entries(map, entries);
+        }
+        let mut ebpf = loader.load(EBPF_OBJECT).context("loading the eBPF object")?;
+        migration.copy(false)?;
+        crate::layout::write_version(pin_dir)?;
         // Only the programs this kernel can run are loaded (and so verified).
         for name in sock_programs(&features).into_iter().map(|(name, _, _)| name) {
             let p: &mut CgroupSockAddr = prog_mut(&mut ebpf, name)?;
@@ -161,7 +185,14 @@ impl Dataplane {
         let p: &mut Xdp = prog_mut(&mut ebpf, PROG_XDP)?;
         p.load().with_context(|| format!("verifier rejected {PROG_XDP}"))?;
         fs::create_dir_all(pin_dir.join("links"))?;
-        Ok(Dataplane { ebpf, pin_dir: pin_dir.to_owned(), links: Vec::new(), xdp_mode: XdpMode::Auto, features })
+        Ok(Dataplane {
+            ebpf,
+            pin_dir: pin_dir.to_owned(),
+            links: Vec::new(),
+            xdp_mode: XdpMode::Auto,
+            features,
+            migration: (!migration.is_empty()).then_some(migration),
+        })
     }
 
     pub fn pin_dir(&self) -> &Path {

@@ -6,6 +6,7 @@ pub mod features;
 pub mod gardener;
 pub mod health;
 pub mod healthcheck;
+pub mod layout;
 pub mod lbmap;
 pub mod links;
 pub mod listeners;

@@ -333,6 +333,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let (links, mut watcher) = crate::links::watch(crate::links::WatchOptions::default()).await?;
     let mut mgr = crate::links::LinkManager::new(selector, dp);
     mgr.sync(links, Instant::now());
+    // Socket LB and the interfaces present now run the new programs: the old maps are done.
+    if let Err(e) = mgr.attacher_mut().finish_migration() {
+        tracing::warn!("finishing the migration of pinned maps: {e:#}");
+    }
     for st in mgr.snapshot() {
         tracing::info!(interface = %st.name, selected = st.selected, hooks = %st.hooks.join(","), "{}", st.reason);
     }

@@ -32,6 +32,14 @@ pub const MAP_SOURCE_RANGES: &str = "GN_SRCRANGE4";
 pub const MAP_SOURCE_RANGES6: &str = "GN_SRCRANGE6";
 /// Service ranges (ServiceCIDRs) and allocated ClusterIPs, both families in one LPM trie.
 pub const MAP_SERVICE_NETS: &str = "GN_SVCNET";
+/// One-entry array: the [`LAYOUT_VERSION`] of the pinned maps beside it (absent: version 0,
+/// pins of a release before the layout carried a version).
+pub const MAP_LAYOUT: &str = "GN_LAYOUT";
+/// Version of the pinned maps' layout. Bump it when a pinned map keeps its sizes but changes
+/// its meaning, and list the map in the agent's `layout::CHANGED` for the new version: the
+/// agent recreates such maps instead of adopting them. Size changes (key, value, entries,
+/// flags) are found by comparing definitions and need no bump.
+pub const LAYOUT_VERSION: u32 = 1;
 
 /// Default map sizes; the agent can override them at load time.
 pub const DEFAULT_SERVICES_MAX: u32 = 262_144;

@@ -10,7 +10,7 @@ mod xdp;
 
 use aya_ebpf::{
     macros::map,
-    maps::{lpm_trie::Key, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use gardenet_common::*;
 
@@ -79,6 +79,11 @@ static GN_SVCNET: LpmTrie<Ip6, u8> = LpmTrie::pinned(DEFAULT_SERVICE_NETS_MAX, 0
 fn service_net(addr: Ip6) -> u8 {
     GN_SVCNET.get(Key::new(128, addr)).copied().unwrap_or(0)
 }
+
+/// The pinned maps' layout version (`LAYOUT_VERSION`), written by the agent; no program
+/// reads it.
+#[map]
+static GN_LAYOUT: Array<u32> = Array::pinned(1, 0);
 
 #[map]
 static GN_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_LEN, 0);

@@ -364,6 +364,11 @@ impl Agent {
         Ok(())
     }
 
+    /// Replaces the extra arguments the next (re)start passes.
+    pub fn set_extra(&mut self, extra: Vec<String>) {
+        self.opts.extra = extra;
+    }
+
     /// Stops the agent (as an upgrade would) and starts it again on the same pins.
     pub fn restart(&mut self, lab: &Lab) -> Result<()> {
         self.restart_in(&lab.node, Some(&lab.cgroup))

@@ -293,3 +293,71 @@ fn established_flows_survive_a_conntrack_map_at_ninety_percent() {
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("tc_ct_insert_failed=0"), "{log}");
 }
+
+/// Opens `conns` connections to the VIP that wait for a line on stdin (netkit `hold`).
+fn hold(lab: &Lab, socket_lb: bool, conns: u32) -> (std::process::Child, BufReader<std::process::ChildStdout>, serde_json::Value) {
+    let mut p = lab
+        .client_cmd(socket_lb, &["hold", "--to", &vip(), "--conns", &conns.to_string()])
+        .unwrap()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(p.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    (p, out, serde_json::from_str(&line).unwrap())
+}
+
+/// Tells a `hold` to check its connections; returns what they answered.
+fn release(mut p: std::process::Child, mut out: BufReader<std::process::ChildStdout>) -> serde_json::Value {
+    p.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    p.wait().unwrap();
+    serde_json::from_str(&line).unwrap()
+}
+
+/// An upgrade onto maps of another layout: the agent stops with its links in place (as in a
+/// rolling update) and a new one starts with a bigger conntrack map, on pins without a layout
+/// version (as a release before the version left them). The conntrack and socket LB maps are
+/// migrated (entries copied into new maps, links switched to the new programs), and
+/// established connections through TC LB and socket LB keep working on their backends.
+#[test]
+fn an_upgrade_onto_maps_of_another_size_keeps_established_connections() {
+    let _g = serial();
+    let opts = AgentOpts { socket_lb: true, tc: true, keep_links: true, extra: vec!["--map-conntrack=4096".into()], ..Default::default() };
+    let (lab, mut agent) = setup(opts, &[0, 1, 2]);
+    let (tc_p, tc_out, tc_before) = hold(&lab, false, 12);
+    let (sock_p, sock_out, sock_before) = hold(&lab, true, 12);
+    std::fs::remove_file(agent.bpffs.join("GN_LAYOUT")).unwrap();
+    agent.set_extra(vec!["--map-conntrack=8192".into()]);
+    agent.restart(&lab).unwrap();
+    let log = agent.log.lock().unwrap().join("\n");
+    assert!(log.contains("pinned map GN_CT4:") && log.contains("(layout 0)") && log.contains(": Copy"), "{log}");
+    assert!(log.contains("pinned maps migrated"), "{log}");
+    assert!(!std::fs::exists(agent.bpffs.join("GN_CT4_old")).unwrap(), "old pins are removed");
+    assert!(std::fs::exists(agent.bpffs.join("GN_LAYOUT")).unwrap(), "a map the old release did not have is created");
+    assert_eq!(conntrack_capacity(&agent), 8192);
+
+    let tc_after = release(tc_p, tc_out);
+    let sock_after = release(sock_p, sock_out);
+    assert_eq!(tc_after["after"], tc_before["names"], "TC LB connections kept their backends: {tc_after}");
+    assert_eq!(sock_after["after"], sock_before["names"], "socket LB connections kept their backends: {sock_after}");
+    let v = lab.client_json(false, &["tcp", "--to", &vip(), "--count", "150"]).unwrap();
+    assert_spread(&v, 150);
+
+    // Started again with the same sizes: everything is adopted as it is.
+    let before = agent.log.lock().unwrap().len();
+    agent.restart(&lab).unwrap();
+    let log = agent.log.lock().unwrap()[before..].join("\n");
+    assert!(!log.contains("pinned map GN_"), "nothing to migrate: {log}");
+    agent.set_extra(Vec::new());
+}
+
+fn conntrack_capacity(agent: &Agent) -> usize {
+    let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("conntrack entries (IPv4): ")).unwrap_or_else(|| panic!("{text}"));
+    line.split_whitespace().nth(5).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+}
