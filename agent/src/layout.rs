@@ -253,10 +253,8 @@ mod raw {
             first = false;
             std::mem::swap(&mut key, &mut next);
             // The entry may be gone (LRU eviction, deletion) between the two calls.
-            if lookup(from, &key, &mut value)? {
-                if elem(UPDATE, to, Some(&key), value.as_mut_ptr(), flags)? {
-                    n += 1;
-                }
+            if lookup(from, &key, &mut value)? && elem(UPDATE, to, Some(&key), value.as_mut_ptr(), flags)? {
+                n += 1;
             }
         }
     }
