@@ -372,8 +372,13 @@ pub fn node_condition(ready: bool, capability: &CapabilityReport, detail: Option
     } else {
         ("False", REASON_AGENT_NOT_READY, detail.unwrap_or("gardenet agent is starting").to_owned())
     };
+    agent_condition(NODE_CONDITION_AGENT_READY, status, reason, message, now)
+}
+
+/// A condition the agent writes on its Node, stamped `now`.
+fn agent_condition(kind: &str, status: &str, reason: &str, message: String, now: &Time) -> NodeCondition {
     NodeCondition {
-        type_: NODE_CONDITION_AGENT_READY.to_owned(),
+        type_: kind.to_owned(),
         status: status.to_owned(),
         reason: Some(reason.to_owned()),
         message: Some(message),
@@ -392,14 +397,7 @@ pub fn map_pressure_condition(pressure: &[String], now: &Time) -> NodeCondition 
     } else {
         ("True", REASON_MAP_PRESSURE, format!("{}; raise the map sizes in the NetworkConfig before they overflow", pressure.join("; ")))
     };
-    NodeCondition {
-        type_: NODE_CONDITION_MAP_PRESSURE.to_owned(),
-        status: status.to_owned(),
-        reason: Some(reason.to_owned()),
-        message: Some(message),
-        last_heartbeat_time: Some(now.clone()),
-        last_transition_time: Some(now.clone()),
-    }
+    agent_condition(NODE_CONDITION_MAP_PRESSURE, status, reason, message, now)
 }
 
 /// Reads a Node (and the condition its agent maintains) for the aggregation. A condition
