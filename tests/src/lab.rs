@@ -320,6 +320,15 @@ impl Agent {
     }
 
     fn launch(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<()> {
+        let ready = self.spawn(ns, cgroup, reset)?;
+        if ready.recv_timeout(Duration::from_secs(30)).is_err() {
+            bail!("agent did not become ready; log:\n{}", self.log.lock().unwrap().join("\n"));
+        }
+        Ok(())
+    }
+
+    /// Starts the agent process; the receiver gets one message when it reports ready.
+    fn spawn(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<mpsc::Receiver<()>> {
         let mut cmd = ns.command(&self.bin, None)?;
         cmd.arg("run").arg(format!("--source=dir:{}", self.dir.display())).arg(format!("--bpffs={}", self.bpffs.display())).args([
             "--node-name",
@@ -358,13 +367,11 @@ impl Agent {
             }
         });
         self.proc = Some(p);
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
-            bail!("agent did not become ready; log:\n{}", self.log.lock().unwrap().join("\n"));
-        }
-        Ok(())
+        Ok(rx)
     }
 
-    /// Stops the agent (as an upgrade would) and starts it again on the same pins.
+    /// Stops the agent (as an upgrade would) and starts it again on the same pins; after
+    /// `kill9`, only starts it again (as its DaemonSet would).
     pub fn restart(&mut self, lab: &Lab) -> Result<()> {
         self.restart_in(&lab.node, Some(&lab.cgroup))
     }
@@ -374,6 +381,23 @@ impl Agent {
             p.terminate();
         }
         self.launch(ns, cgroup, false)
+    }
+
+    /// Starts the agent again on the same pins without waiting until it is ready (e.g. to
+    /// kill it while it starts); the receiver gets a message once it is.
+    pub fn start_unready_in(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>) -> Result<mpsc::Receiver<()>> {
+        self.stop();
+        self.spawn(ns, cgroup, false)
+    }
+
+    /// SIGKILL, as the OOM killer or a crash would end it: none of the agent's own shutdown
+    /// runs (no `--detach-on-exit`, no final writes). Waits until the process is gone.
+    pub fn kill9(&mut self) -> Result<()> {
+        if let Some(mut p) = self.proc.take() {
+            p.child.kill().context("SIGKILL to the agent")?;
+            p.child.wait()?;
+        }
+        Ok(())
     }
 
     /// Writes a manifest atomically (the dir source must never see half a file).
