@@ -123,6 +123,9 @@ enum Cmd {
     Soak {
         #[arg(long)]
         to: SocketAddr,
+        /// Source address of every connection (default: the route's).
+        #[arg(long)]
+        from: Option<std::net::IpAddr>,
         #[arg(long, default_value_t = 2)]
         streams: u32,
         #[arg(long, default_value_t = 32 * 1024)]
@@ -163,9 +166,10 @@ fn main() -> Result<()> {
         Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
         Cmd::HttpGet { to, path } => http_get(to, &path),
         Cmd::Stream { to, seconds } => stream(to, seconds.clamp(0.1, 60.0)),
-        Cmd::Soak { to, streams, chunk, pace_ms, interval_ms, timeout_ms, max_seconds } => soak(
+        Cmd::Soak { to, from, streams, chunk, pace_ms, interval_ms, timeout_ms, max_seconds } => soak(
             to,
             SoakOpts {
+                from,
                 streams: streams.min(64),
                 chunk: chunk.clamp(1, 16 << 20),
                 pace: Duration::from_millis(pace_ms.min(10_000)),
@@ -298,18 +302,44 @@ fn err_kind(e: &std::io::Error) -> String {
     format!("{:?}", e.kind())
 }
 
-fn dial(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io::Result<TcpStream> {
-    let Some(port) = bind_port else { return TcpStream::connect_timeout(&to, timeout) };
+/// Connects from local address `from` (any when `None`) and port `bind_port` (SO_REUSEADDR;
+/// without one the kernel picks the port at connect(), as for an unbound socket).
+fn dial_from(to: SocketAddr, timeout: Duration, from: Option<std::net::IpAddr>, bind_port: Option<u16>) -> std::io::Result<TcpStream> {
+    if from.is_none() && bind_port.is_none() {
+        return TcpStream::connect_timeout(&to, timeout);
+    }
     let s = socket2::Socket::new(socket2::Domain::for_address(to), socket2::Type::STREAM, None)?;
-    s.set_reuse_address(true)?;
-    let local: SocketAddr = if to.is_ipv4() { ([0, 0, 0, 0], port).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, port).into() };
-    s.bind(&local.into())?;
+    match bind_port {
+        Some(_) => s.set_reuse_address(true)?,
+        None => {
+            // IP_BIND_ADDRESS_NO_PORT: the port is chosen at connect() for the 4-tuple, so
+            // sockets toward other destinations (and their TIME_WAIT) do not use ports up.
+            const IP_BIND_ADDRESS_NO_PORT: libc::c_int = 24;
+            let one: libc::c_int = 1;
+            // SAFETY: a valid fd and an int option of the given size.
+            unsafe {
+                libc::setsockopt(
+                    std::os::fd::AsRawFd::as_raw_fd(&s),
+                    libc::IPPROTO_IP,
+                    IP_BIND_ADDRESS_NO_PORT,
+                    (&one as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+    }
+    let ip = from.unwrap_or_else(|| any_for(to).ip());
+    s.bind(&SocketAddr::new(ip, bind_port.unwrap_or(0)).into())?;
     s.connect_timeout(&to.into(), timeout)?;
     Ok(s.into())
 }
 
 fn request(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io::Result<String> {
-    let s = dial(to, timeout, bind_port)?;
+    request_from(to, timeout, None, bind_port)
+}
+
+fn request_from(to: SocketAddr, timeout: Duration, from: Option<std::net::IpAddr>, bind_port: Option<u16>) -> std::io::Result<String> {
+    let s = dial_from(to, timeout, from, bind_port)?;
     s.set_read_timeout(Some(timeout))?;
     (&s).write_all(b"HELLO\n")?;
     let mut line = String::new();
@@ -576,6 +606,7 @@ fn http_get(to: SocketAddr, path: &str) -> Result<()> {
 }
 
 struct SoakOpts {
+    from: Option<std::net::IpAddr>,
     streams: u32,
     chunk: u64,
     pace: Duration,
@@ -610,7 +641,7 @@ struct SoakStream {
 
 impl SoakStream {
     fn open(to: SocketAddr, o: &SoakOpts) -> Result<Self> {
-        let s = TcpStream::connect_timeout(&to, o.timeout)?;
+        let s = dial_from(to, o.timeout, o.from, None)?;
         // Far longer than any round should take: a stall this long is a broken transfer.
         s.set_read_timeout(Some(o.timeout * 10))?;
         s.set_write_timeout(Some(o.timeout * 10))?;
@@ -714,7 +745,7 @@ fn soak(to: SocketAddr, o: SoakOpts) -> Result<()> {
     while !stop.load(Ordering::Relaxed) && t0.elapsed() < o.max {
         let (t, at) = (Instant::now(), unix_ms());
         attempted += 1;
-        match request(to, o.timeout, None) {
+        match request_from(to, o.timeout, o.from, None) {
             Ok(name) => {
                 max_ms = max_ms.max(t.elapsed().as_secs_f64() * 1000.0);
                 *counts.entry(name).or_default() += 1;
