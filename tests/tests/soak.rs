@@ -4,9 +4,12 @@
 //! second node, in both families. Every new connection must succeed and no transfer may
 //! break: the pinned maps and links carry the traffic while no agent runs, and a starting
 //! agent swaps its programs into the links (`BPF_LINK_UPDATE`, or the clsact filter in
-//! place) and rewrites nothing that did not change.
+//! place) and adopts the maps. Every fourth SIGKILL is aimed at an agent that is still
+//! starting. Without `BPF_FIB_LOOKUP_SRC` (5.10) the NodePort is DNAT-only to a pod here.
 //!
-//! The namespaces are `gardenet_tests::two_nodes` with two pods on this node. Parameters
+//! The namespaces are `gardenet_tests::two_nodes` with three pods on this node (two behind
+//! the ClusterIP, one for the DNAT-only NodePort). On one CPU the load is lighter (see
+//! `Params::slow`). Parameters
 //! (environment; `cargo xtask soak` sets them): `GARDENET_SOAK_RESTARTS` (default 20),
 //! `GARDENET_SOAK_SECONDS` (the kill/restart phase lasts at least this long; default 0: as
 //! fast as the restarts go), `GARDENET_SOAK_STREAMS` (long transfers per path, default 2),
