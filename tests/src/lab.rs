@@ -297,6 +297,9 @@ pub struct Agent {
     pub log: Arc<Mutex<Vec<String>>>,
     pub bin: PathBuf,
     opts: AgentOpts,
+    /// How long a start may take until the agent reports ready (30 s; a bound, not a
+    /// target: the soak suite allows more for a one-vCPU emulated VM under load).
+    pub ready_timeout: Duration,
 }
 
 impl Agent {
@@ -310,8 +313,15 @@ impl Agent {
     pub fn start_in(tag: &str, ns: &Netns, cgroup: Option<&TestCgroup>, opts: AgentOpts, manifests: &[(&str, String)]) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("{tag}-manifests"));
         std::fs::create_dir_all(&dir)?;
-        let mut a =
-            Agent { proc: None, bpffs: PathBuf::from("/sys/fs/bpf").join(tag), dir, log: Default::default(), bin: sibling_binary("gardenet-agent")?, opts };
+        let mut a = Agent {
+            proc: None,
+            bpffs: PathBuf::from("/sys/fs/bpf").join(tag),
+            dir,
+            log: Default::default(),
+            bin: sibling_binary("gardenet-agent")?,
+            opts,
+            ready_timeout: Duration::from_secs(30),
+        };
         for (f, y) in manifests {
             a.write(f, y)?;
         }
@@ -320,6 +330,15 @@ impl Agent {
     }
 
     fn launch(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<()> {
+        let ready = self.spawn(ns, cgroup, reset)?;
+        if ready.recv_timeout(self.ready_timeout).is_err() {
+            bail!("agent did not become ready within {:?}; log:\n{}", self.ready_timeout, self.log.lock().unwrap().join("\n"));
+        }
+        Ok(())
+    }
+
+    /// Starts the agent process; the receiver gets the moment it reported ready.
+    fn spawn(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<mpsc::Receiver<Instant>> {
         let mut cmd = ns.command(&self.bin, None)?;
         cmd.arg("run").arg(format!("--source=dir:{}", self.dir.display())).arg(format!("--bpffs={}", self.bpffs.display())).args([
             "--node-name",
@@ -351,17 +370,14 @@ impl Agent {
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if line.contains("ready:") {
-                    let _ = tx.send(());
+                    let _ = tx.send(Instant::now());
                 }
                 eprintln!("    agent| {line}");
                 log.lock().unwrap().push(line);
             }
         });
         self.proc = Some(p);
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
-            bail!("agent did not become ready; log:\n{}", self.log.lock().unwrap().join("\n"));
-        }
-        Ok(())
+        Ok(rx)
     }
 
     /// Replaces the extra arguments the next (re)start passes.
@@ -369,7 +385,8 @@ impl Agent {
         self.opts.extra = extra;
     }
 
-    /// Stops the agent (as an upgrade would) and starts it again on the same pins.
+    /// Stops the agent (as an upgrade would) and starts it again on the same pins; after
+    /// `kill9`, only starts it again (as its DaemonSet would).
     pub fn restart(&mut self, lab: &Lab) -> Result<()> {
         self.restart_in(&lab.node, Some(&lab.cgroup))
     }
@@ -379,6 +396,23 @@ impl Agent {
             p.terminate();
         }
         self.launch(ns, cgroup, false)
+    }
+
+    /// Starts the agent again on the same pins without waiting until it is ready (e.g. to
+    /// kill it while it starts); the receiver gets the moment it reported ready.
+    pub fn start_unready_in(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>) -> Result<mpsc::Receiver<Instant>> {
+        self.stop();
+        self.spawn(ns, cgroup, false)
+    }
+
+    /// SIGKILL, as the OOM killer or a crash would end it: none of the agent's own shutdown
+    /// runs (no `--detach-on-exit`, no final writes). Waits until the process is gone.
+    pub fn kill9(&mut self) -> Result<()> {
+        if let Some(mut p) = self.proc.take() {
+            p.child.kill().context("SIGKILL to the agent")?;
+            p.child.wait()?;
+        }
+        Ok(())
     }
 
     /// Writes a manifest atomically (the dir source must never see half a file).

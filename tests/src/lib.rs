@@ -3,3 +3,4 @@ pub mod bpfstats;
 pub mod lab;
 pub mod netns;
 pub mod plot;
+pub mod two_nodes;

@@ -118,6 +118,34 @@ enum Cmd {
         #[arg(long, default_value = "/")]
         path: String,
     },
+    /// Restart-soak load until a line (or EOF) on stdin, or MAX_SECONDS: new connections one
+    /// after another (connect, one request, one reply, close), and STREAMS long connections
+    /// that move CHUNK bytes each way per round, each round checked (byte counts, and the
+    /// same backend throughout). Prints `{"up": ...}` once every stream has completed a round,
+    /// then, at the end, the figures: attempts, failures (with their times), successes per 100
+    /// ms, and per stream its backend, bytes and whether it broke.
+    Soak {
+        #[arg(long)]
+        to: SocketAddr,
+        /// Source address of every connection (default: the route's).
+        #[arg(long)]
+        from: Option<std::net::IpAddr>,
+        #[arg(long, default_value_t = 2)]
+        streams: u32,
+        #[arg(long, default_value_t = 32 * 1024)]
+        chunk: u64,
+        /// Pause between a stream's rounds (ms).
+        #[arg(long, default_value_t = 20)]
+        pace_ms: u64,
+        /// Pause between new connections (ms).
+        #[arg(long, default_value_t = 5)]
+        interval_ms: u64,
+        /// Limit for each new connection (connect and answer), and the streams' I/O limit x10.
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+        #[arg(long, default_value_t = 300)]
+        max_seconds: u64,
+    },
     /// Opens CONNS connections, prints their backends, waits for a line on stdin, then checks
     /// that each connection still works and prints the result.
     Hold {
@@ -149,6 +177,18 @@ fn main() -> Result<()> {
         Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
         Cmd::HttpGet { to, path } => http_get(to, &path),
         Cmd::Stream { to, seconds } => stream(to, seconds.clamp(0.1, 60.0)),
+        Cmd::Soak { to, from, streams, chunk, pace_ms, interval_ms, timeout_ms, max_seconds } => soak(
+            to,
+            SoakOpts {
+                from,
+                streams: streams.min(64),
+                chunk: chunk.clamp(1, 16 << 20),
+                pace: Duration::from_millis(pace_ms.min(10_000)),
+                interval: Duration::from_millis(interval_ms.min(10_000)),
+                timeout: Duration::from_millis(timeout_ms.clamp(1, 60_000)),
+                max: Duration::from_secs(max_seconds.min(24 * 3600)),
+            },
+        ),
     }
 }
 
@@ -273,18 +313,44 @@ fn err_kind(e: &std::io::Error) -> String {
     format!("{:?}", e.kind())
 }
 
-fn dial(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io::Result<TcpStream> {
-    let Some(port) = bind_port else { return TcpStream::connect_timeout(&to, timeout) };
+/// Connects from local address `from` (any when `None`) and port `bind_port` (SO_REUSEADDR;
+/// without one the kernel picks the port at connect(), as for an unbound socket).
+fn dial_from(to: SocketAddr, timeout: Duration, from: Option<std::net::IpAddr>, bind_port: Option<u16>) -> std::io::Result<TcpStream> {
+    if from.is_none() && bind_port.is_none() {
+        return TcpStream::connect_timeout(&to, timeout);
+    }
     let s = socket2::Socket::new(socket2::Domain::for_address(to), socket2::Type::STREAM, None)?;
-    s.set_reuse_address(true)?;
-    let local: SocketAddr = if to.is_ipv4() { ([0, 0, 0, 0], port).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, port).into() };
-    s.bind(&local.into())?;
+    match bind_port {
+        Some(_) => s.set_reuse_address(true)?,
+        None => {
+            // IP_BIND_ADDRESS_NO_PORT: the port is chosen at connect() for the 4-tuple, so
+            // sockets toward other destinations (and their TIME_WAIT) do not use ports up.
+            const IP_BIND_ADDRESS_NO_PORT: libc::c_int = 24;
+            let one: libc::c_int = 1;
+            // SAFETY: a valid fd and an int option of the given size.
+            unsafe {
+                libc::setsockopt(
+                    std::os::fd::AsRawFd::as_raw_fd(&s),
+                    libc::IPPROTO_IP,
+                    IP_BIND_ADDRESS_NO_PORT,
+                    (&one as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+    }
+    let ip = from.unwrap_or_else(|| any_for(to).ip());
+    s.bind(&SocketAddr::new(ip, bind_port.unwrap_or(0)).into())?;
     s.connect_timeout(&to.into(), timeout)?;
     Ok(s.into())
 }
 
 fn request(to: SocketAddr, timeout: Duration, bind_port: Option<u16>) -> std::io::Result<String> {
-    let s = dial(to, timeout, bind_port)?;
+    request_from(to, timeout, None, bind_port)
+}
+
+fn request_from(to: SocketAddr, timeout: Duration, from: Option<std::net::IpAddr>, bind_port: Option<u16>) -> std::io::Result<String> {
+    let s = dial_from(to, timeout, from, bind_port)?;
     s.set_read_timeout(Some(timeout))?;
     (&s).write_all(b"HELLO\n")?;
     let mut line = String::new();
@@ -573,5 +639,181 @@ fn http_get(to: SocketAddr, path: &str) -> Result<()> {
     let status: u16 = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     let body = resp.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
     println!("{}", json!({"status": status, "body": body}));
+    Ok(())
+}
+
+struct SoakOpts {
+    from: Option<std::net::IpAddr>,
+    streams: u32,
+    chunk: u64,
+    pace: Duration,
+    interval: Duration,
+    timeout: Duration,
+    max: Duration,
+}
+
+/// One long connection of `soak`.
+#[derive(Default)]
+struct StreamReport {
+    backend: String,
+    rounds: u64,
+    up: u64,
+    down: u64,
+    max_round_ms: f64,
+    error: Option<String>,
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis()
+}
+
+/// A long connection: rounds of `SINK chunk` (the server reports what it got) and `SOURCE
+/// chunk` (every byte read back) until `stop`. Any I/O error, short count or change of
+/// backend ends it as broken.
+struct SoakStream {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+    rep: StreamReport,
+}
+
+impl SoakStream {
+    fn open(to: SocketAddr, o: &SoakOpts) -> Result<Self> {
+        let s = dial_from(to, o.timeout, o.from, None)?;
+        // Far longer than any round should take: a stall this long is a broken transfer.
+        s.set_read_timeout(Some(o.timeout * 10))?;
+        s.set_write_timeout(Some(o.timeout * 10))?;
+        let mut st = SoakStream { r: BufReader::new(s.try_clone()?), w: s, rep: StreamReport::default() };
+        st.round(o.chunk)?;
+        Ok(st)
+    }
+
+    fn round(&mut self, n: u64) -> Result<()> {
+        let t = Instant::now();
+        writeln!(self.w, "SINK {n}")?;
+        let chunk = vec![0x3cu8; n.min(64 * 1024) as usize];
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(chunk.len() as u64) as usize;
+            self.w.write_all(&chunk[..k])?;
+            left -= k as u64;
+        }
+        let mut line = String::new();
+        self.r.read_line(&mut line)?;
+        let mut it = line.split_whitespace();
+        let (name, got) = (it.next().unwrap_or("").to_owned(), it.next().and_then(|n| n.parse::<u64>().ok()));
+        if got != Some(n) {
+            bail!("sent {n} bytes, the server answered {line:?}");
+        }
+        self.check_backend(&name)?;
+        self.rep.up += n;
+        writeln!(self.w, "SOURCE {n}")?;
+        line.clear();
+        self.r.read_line(&mut line)?;
+        self.check_backend(line.trim())?;
+        let down = std::io::copy(&mut (&mut self.r).take(n), &mut std::io::sink())?;
+        self.rep.down += down;
+        if down != n {
+            bail!("asked for {n} bytes, got {down}");
+        }
+        self.rep.rounds += 1;
+        self.rep.max_round_ms = self.rep.max_round_ms.max(t.elapsed().as_secs_f64() * 1000.0);
+        Ok(())
+    }
+
+    fn check_backend(&mut self, name: &str) -> Result<()> {
+        if self.rep.backend.is_empty() {
+            self.rep.backend = name.to_owned();
+        } else if self.rep.backend != name {
+            bail!("the stream's backend changed from {} to {name:?}", self.rep.backend);
+        }
+        Ok(())
+    }
+
+    fn run(mut self, chunk: u64, pace: Duration, stop: &std::sync::atomic::AtomicBool) -> StreamReport {
+        use std::sync::atomic::Ordering;
+        while !stop.load(Ordering::Relaxed) {
+            if let Err(e) = self.round(chunk) {
+                self.rep.error = Some(format!("{e:#} at unix ms {}", unix_ms()));
+                return self.rep;
+            }
+            std::thread::sleep(pace);
+        }
+        let _ = self.w.shutdown(Shutdown::Both);
+        self.rep
+    }
+}
+
+fn soak(to: SocketAddr, o: SoakOpts) -> Result<()> {
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    };
+    let t0 = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut streams = Vec::new();
+    for i in 0..o.streams {
+        streams.push(SoakStream::open(to, &o).with_context(|| format!("opening stream {i} to {to}"))?);
+    }
+    println!("{}", json!({"up": streams.len(), "backends": streams.iter().map(|s| s.rep.backend.clone()).collect::<Vec<_>>()}));
+    std::io::stdout().flush()?;
+    let handles: Vec<_> = streams
+        .into_iter()
+        .map(|s| {
+            let stop = stop.clone();
+            let (chunk, pace) = (o.chunk, o.pace);
+            std::thread::spawn(move || s.run(chunk, pace, &stop))
+        })
+        .collect();
+    {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+    let start_ms = unix_ms();
+    let (mut attempted, mut failed, mut max_ms) = (0u64, 0u64, 0f64);
+    let mut counts: BTreeMap<String, u64> = BTreeMap::new();
+    let mut errors: BTreeMap<String, u64> = BTreeMap::new();
+    let mut failures: Vec<u128> = Vec::new();
+    // Successful new connections per 100 ms since `start_ms` (when they were started).
+    let mut per_100ms: Vec<u32> = Vec::new();
+    while !stop.load(Ordering::Relaxed) && t0.elapsed() < o.max {
+        let (t, at) = (Instant::now(), unix_ms());
+        attempted += 1;
+        match request_from(to, o.timeout, o.from, None) {
+            Ok(name) => {
+                max_ms = max_ms.max(t.elapsed().as_secs_f64() * 1000.0);
+                *counts.entry(name).or_default() += 1;
+                let b = ((at - start_ms) / 100) as usize;
+                if per_100ms.len() <= b {
+                    per_100ms.resize(b + 1, 0);
+                }
+                per_100ms[b] += 1;
+            }
+            Err(e) => {
+                failed += 1;
+                *errors.entry(err_kind(&e)).or_default() += 1;
+                if failures.len() < 100 {
+                    failures.push(at);
+                }
+            }
+        }
+        std::thread::sleep(o.interval);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reports: Vec<StreamReport> =
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| StreamReport { error: Some("panicked".into()), ..Default::default() })).collect();
+    let streams: Vec<serde_json::Value> = reports
+        .iter()
+        .map(|r| json!({"backend": r.backend, "rounds": r.rounds, "up": r.up, "down": r.down, "max_round_ms": r.max_round_ms, "broken": r.error.is_some(), "error": r.error}))
+        .collect();
+    println!(
+        "{}",
+        json!({"conns": {"attempted": attempted, "failed": failed, "errors": errors, "counts": counts, "max_ms": max_ms, "failures_unix_ms": failures,
+                         "start_unix_ms": start_ms, "ok_per_100ms": per_100ms},
+               "streams": streams, "seconds": t0.elapsed().as_secs_f64()})
+    );
     Ok(())
 }
