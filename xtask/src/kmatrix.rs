@@ -44,6 +44,7 @@ pub const PRIVILEGED_SUITES: &[&str] = &[
     "kernel_features",
     "endpoint_selection",
     "local_redirect",
+    "packet_corpus",
 ];
 
 /// Per-suite limit inside a VM (a hung suite must not hold the matrix).
