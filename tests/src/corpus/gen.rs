@@ -11,7 +11,7 @@ use std::{
     ops::Range,
 };
 
-use rand::{rngs::StdRng, seq::SliceRandom, Rng, RngCore, SeedableRng};
+use rand::{rngs::SmallRng, seq::SliceRandom, Rng, RngCore, SeedableRng};
 
 use super::{build::*, check::Kind::*, check::Want};
 
@@ -79,7 +79,7 @@ struct Base {
 }
 
 pub struct Gen {
-    rng: StdRng,
+    rng: SmallRng,
     plan: Plan,
     /// `plan.flows` by family (IPv4, IPv6).
     flows: [Vec<Flow>; 2],
@@ -92,7 +92,7 @@ fn fam<T: Clone>(v: &[T], v6: bool, is6: impl Fn(&T) -> bool) -> Vec<T> {
 impl Gen {
     pub fn new(seed: u64, plan: Plan) -> Self {
         let flows = [fam(&plan.flows, false, |f| f.client.is_ipv6()), fam(&plan.flows, true, |f| f.client.is_ipv6())];
-        Gen { rng: StdRng::seed_from_u64(seed), plan, flows }
+        Gen { rng: SmallRng::seed_from_u64(seed), plan, flows }
     }
 
     fn pick<T: Clone>(&mut self, v: &[T]) -> Option<T> {

@@ -233,6 +233,17 @@ fn icmp_errors_are_rewritten_only_for_the_frontend_they_quote() {
 }
 
 #[test]
+fn the_wide_checksum_sum_folds_like_the_plain_one() {
+    let plain = |d: &[u8]| fold(d.chunks(2).map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u64).sum());
+    let mut d = Vec::new();
+    for n in 0..300u32 {
+        d.push((n.wrapping_mul(2_654_435_761) >> 13) as u8);
+        assert_eq!(fold(sum16(&d)), plain(&d), "{} bytes", d.len());
+    }
+    assert_eq!(fold(sum16(&[0xff; 4096])), plain(&[0xff; 4096]));
+}
+
+#[test]
 fn want_sets() {
     let w = Want::of(&[Kind::Rst, Kind::Passed]);
     assert!(w.has(Kind::Rst) && w.has(Kind::Passed) && !w.has(Kind::Dropped));
