@@ -572,6 +572,14 @@ fn icmp_error(ctx: &TcContext) -> Option<i32> {
     }
     let isrc: u32 = ctx.load(inner + 12).ok()?;
     let idst: u32 = ctx.load(inner + 16).ok()?;
+    // An error about a packet the frontend sent goes to the frontend. One addressed to any
+    // other host is not about our flow (spoofed, or for someone else): leave it alone, as
+    // Linux conntrack does, instead of redirecting it to the backend (found by the packet
+    // corpus, tests/tests/packet_corpus.rs).
+    let outer_dst: u32 = ctx.load(IP_DST_OFF).ok()?;
+    if outer_dst != isrc {
+        return None;
+    }
     let il4 = inner + (iihl & 0x3c);
     let isport: u16 = ctx.load(il4).ok()?;
     let idport: u16 = ctx.load(il4 + 2).ok()?;
@@ -580,7 +588,6 @@ fn icmp_error(ctx: &TcContext) -> Option<i32> {
     let ct = unsafe { GN_CT4.get(&fkey) }?;
     let (be, be_port, flags) = (ct.addr, ct.port, ct.flags);
     let csum = icmp + 2;
-    let outer_dst: u32 = ctx.load(IP_DST_OFF).ok()?;
     // Quoted source: frontend -> backend (address, its header checksum, port).
     icmp_rewrite32(ctx, csum, inner + 12, inner + 10, isrc, be)?;
     icmp_rewrite16(ctx, csum, il4, isport, be_port)?;
@@ -631,12 +638,22 @@ fn icmp6_error(ctx: &TcContext) -> Option<i32> {
         return None;
     }
     let inner = icmp + 8;
+    // The quoted packet must be IPv6 (the corpus found errors quoting an IPv4 header
+    // translated as if it were one).
+    if ctx.load::<u8>(inner).ok()? >> 4 != 6 {
+        return None;
+    }
     let iproto: u8 = ctx.load(inner + 6).ok()?;
     if iproto != PROTO_TCP && iproto != PROTO_UDP {
         return None;
     }
     let isrc: Ip6 = ctx.load(inner + 8).ok()?;
     let idst: Ip6 = ctx.load(inner + 24).ok()?;
+    // Addressed to the frontend that sent the quoted packet, or not ours (see icmp_error).
+    let outer_dst: Ip6 = ctx.load(IP6_DST_OFF).ok()?;
+    if outer_dst != isrc {
+        return None;
+    }
     let il4 = inner + 40;
     let isport: u16 = ctx.load(il4).ok()?;
     let idport: u16 = ctx.load(il4 + 2).ok()?;
@@ -653,7 +670,6 @@ fn icmp6_error(ctx: &TcContext) -> Option<i32> {
         icmp6_rewrite_addr(ctx, csum, inner + 24, &idst, &nat, 0)?;
         icmp_rewrite16(ctx, csum, il4 + 2, idport, nat_port)?;
     }
-    let outer_dst: Ip6 = ctx.load(IP6_DST_OFF).ok()?;
     icmp6_rewrite_addr(ctx, csum, IP6_DST_OFF, &outer_dst, &be, BPF_F_PSEUDO_HDR)?;
     stat(Stat::TcIcmpRevNat);
     Some(PASS)
@@ -843,8 +859,11 @@ fn parse6(ctx: &TcContext) -> Option<Flow6> {
     }
     let mut proto: u8 = h.load(IP6_NEXT_OFF)?;
     let mut l4 = IP6_L4_OFF;
-    for _ in 0..IP6_MAX_EXT {
-        if proto != NEXTHDR_HOP && proto != NEXTHDR_DEST {
+    for i in 0..IP6_MAX_EXT {
+        // Hop-by-hop options may only come first (RFC 8200 4.1; the stack drops a packet
+        // with them anywhere else, so it must not be translated either: found by the
+        // packet corpus).
+        if proto != NEXTHDR_DEST && !(proto == NEXTHDR_HOP && i == 0) {
             break;
         }
         // Both: next header, then the length in 8-octet units not counting the first 8.

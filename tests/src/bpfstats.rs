@@ -92,6 +92,7 @@ pub fn delta(before: &BTreeMap<u32, ProgStat>, after: &BTreeMap<u32, ProgStat>) 
 }
 
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_LINK_DETACH: libc::c_long = 34;
 
 /// Detaches the pinned bpf_link at `pin` from its hook (BPF_LINK_DETACH: the link stays, its
@@ -108,4 +109,71 @@ pub fn detach_pinned_link(pin: &std::path::Path) -> Result<()> {
     attr[0] = std::os::fd::AsRawFd::as_raw_fd(&fd) as u64; // link_fd
     bpf(BPF_LINK_DETACH, &mut attr).with_context(|| format!("BPF_LINK_DETACH {}", pin.display()))?;
     Ok(())
+}
+
+/// A new fd of the program with id `id`.
+pub fn prog_fd(id: u32) -> std::io::Result<OwnedFd> {
+    let mut attr = [0u64; 16];
+    attr[0] = id as u64; // prog_id
+    let fd = bpf(BPF_PROG_GET_FD_BY_ID, &mut attr)? as i32;
+    // SAFETY: a new fd the kernel just gave us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The ids of the maps program `fd` uses (`bpf_prog_info.map_ids`).
+fn prog_map_ids(fd: &OwnedFd) -> std::io::Result<Vec<u32>> {
+    let mut ids = vec![0u32; 64];
+    // SAFETY: plain old data; the kernel fills what it knows.
+    let mut info: bpf_prog_info = unsafe { std::mem::zeroed() };
+    info.nr_map_ids = ids.len() as u32;
+    info.map_ids = ids.as_mut_ptr() as u64;
+    let mut attr = [0u64; 16];
+    attr[0] = std::os::fd::AsRawFd::as_raw_fd(fd) as u64 | ((std::mem::size_of::<bpf_prog_info>() as u64) << 32);
+    attr[1] = &mut info as *mut bpf_prog_info as u64;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    ids.truncate((info.nr_map_ids as usize).min(64));
+    Ok(ids)
+}
+
+/// Ids of the loaded programs named `name` that use one of the maps `map_ids`: the instances
+/// one agent loaded, told apart from other agents' by the (pinned) maps they share.
+pub fn programs_using_maps(name: &str, map_ids: &[u32]) -> Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for (id, p) in programs(name)? {
+        if p.name != name {
+            continue;
+        }
+        let Ok(fd) = prog_fd(id) else { continue }; // unloaded meanwhile
+        if prog_map_ids(&fd).context("bpf_prog_info.map_ids")?.iter().any(|m| map_ids.contains(m)) {
+            out.push(id);
+        }
+    }
+    Ok(out)
+}
+
+/// Runs program `fd` once on `data` with `BPF_PROG_TEST_RUN` (nothing is sent anywhere: the
+/// kernel builds an skb or xdp_buff, runs the program and copies the packet back into
+/// `out`). `ctx` is the program's context to start from (`__sk_buff` for TC), if any.
+/// Returns the program's return value and the length of the packet in `out` afterwards.
+pub fn test_run(fd: &OwnedFd, data: &[u8], ctx: Option<&[u8]>, out: &mut [u8]) -> std::io::Result<(i32, usize)> {
+    let mut attr = [0u64; 16];
+    attr[0] = std::os::fd::AsRawFd::as_raw_fd(fd) as u64; // prog_fd; retval (high half) out
+    attr[1] = data.len() as u64 | ((out.len() as u64) << 32); // data_size_in, data_size_out
+    attr[2] = data.as_ptr() as u64; // data_in
+    attr[3] = out.as_mut_ptr() as u64; // data_out
+    attr[4] = 1; // repeat = 1, duration out
+    if let Some(c) = ctx {
+        attr[5] = c.len() as u64; // ctx_size_in (ctx_size_out 0: no context copied back)
+        attr[6] = c.as_ptr() as u64; // ctx_in
+    }
+    bpf(BPF_PROG_TEST_RUN, &mut attr)?;
+    let retval = (attr[0] >> 32) as u32 as i32;
+    let size_out = (attr[1] >> 32) as usize;
+    Ok((retval, size_out.min(out.len())))
+}
+
+/// The ids of the maps the program with id `id` uses.
+pub fn map_ids_of(id: u32) -> Result<Vec<u32>> {
+    let fd = prog_fd(id).context("BPF_PROG_GET_FD_BY_ID")?;
+    prog_map_ids(&fd).context("bpf_prog_info.map_ids")
 }

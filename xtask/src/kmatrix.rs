@@ -46,6 +46,7 @@ pub const PRIVILEGED_SUITES: &[&str] = &[
     "local_redirect",
     // ~7 min in the 5.10 VM (20 SIGKILLs; each start takes 10-30 s there under the load).
     "soak",
+    "packet_corpus",
 ];
 
 /// Per-suite limit inside a VM (a hung suite must not hold the matrix).
