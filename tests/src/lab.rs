@@ -203,13 +203,18 @@ impl Lab {
         Self::json_of(cmd, args)
     }
 
-    fn json_of(mut cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
-        let out = cmd.stderr(Stdio::inherit()).output()?;
-        if !out.status.success() {
-            bail!("netkit {args:?} failed: {}", out.status);
-        }
-        serde_json::from_slice(&out.stdout).with_context(|| format!("netkit output: {}", String::from_utf8_lossy(&out.stdout)))
+    fn json_of(cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
+        netkit_json(cmd, args)
     }
+}
+
+/// Runs a netkit client command (`args` for messages) to completion and parses its JSON output.
+pub fn netkit_json(mut cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
+    let out = cmd.stderr(Stdio::inherit()).output()?;
+    if !out.status.success() {
+        bail!("netkit {args:?} failed: {}", out.status);
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("netkit output: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 /// YAML for a ClusterIP Service with one port named `p` (TCP and/or UDP).

@@ -17,11 +17,11 @@
 //! VIPs in fd00:19::/64. No namespace has a default route.
 use std::{
     path::PathBuf,
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde_json::Value;
 
 use crate::netns::{sibling_binary, sweep_leftovers, unique_tag, Netns, Proc, TestCgroup};
@@ -156,11 +156,7 @@ impl TwoNodes {
 
     /// Runs a netkit client to completion and parses its JSON output.
     pub fn client_json(&self, socket_lb: bool, args: &[&str]) -> Result<Value> {
-        let out = self.client_cmd(socket_lb, args)?.stderr(Stdio::inherit()).output()?;
-        if !out.status.success() {
-            bail!("netkit {args:?} failed: {}", out.status);
-        }
-        serde_json::from_slice(&out.stdout).with_context(|| format!("netkit output: {}", String::from_utf8_lossy(&out.stdout)))
+        crate::lab::netkit_json(self.client_cmd(socket_lb, args)?, args)
     }
 }
 
