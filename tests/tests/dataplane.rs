@@ -7,8 +7,8 @@ use std::{
 };
 
 use gardenet_tests::lab::{
-    assert_connected_udp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts, refusal_outcome, service_yaml, slice_yaml,
-    Agent, AgentOpts, Lab, SERVER_PORT,
+    assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts,
+    refusal_outcome, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
 };
 
 /// One lab at a time: tests share the machine's two cores and keep timings sane.
@@ -233,6 +233,15 @@ fn connected_udp_sockets_leave_a_departed_backend_socket_lb() {
     let _g = serial();
     let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0]);
     assert_connected_udp_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", |b| slice_yaml("web", b, &["TCP", "UDP"]));
+}
+
+/// Idle TCP connections through socket LB leave a backend that is gone from the Service; busy
+/// ones and those to a terminating backend stay (see `assert_idle_tcp_leaves_departed_backend`).
+#[test]
+fn idle_tcp_sockets_leave_a_backend_gone_from_the_service_socket_lb() {
+    let _g = serial();
+    let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    assert_idle_tcp_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", &backend_ip(0), |b| slice_yaml("web", b, &["TCP", "UDP"]));
 }
 
 /// `lb list`'s IPv4 conntrack line: (entries, percent full).
