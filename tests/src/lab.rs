@@ -291,6 +291,9 @@ pub struct AgentOpts {
     /// Leave the pinned links in place when the agent stops (as in an upgrade); by default the
     /// agent runs with `--detach-on-exit`.
     pub keep_links: bool,
+    /// Listen where the agent does by default (as the DaemonSet runs it) instead of on
+    /// 127.0.0.1, port 0.
+    pub default_listen: bool,
     pub extra: Vec<String>,
 }
 
@@ -334,6 +337,31 @@ impl Agent {
         Ok(a)
     }
 
+    /// The agent process's sockets that listen (TCP) or are bound (UDP), from its fds and its
+    /// network namespace's `/proc/<pid>/net/{tcp,tcp6,udp,udp6}`: ("tcp"|"udp", address).
+    pub fn listening(&self) -> Result<std::collections::BTreeSet<(&'static str, std::net::SocketAddr)>> {
+        let pid = self.proc.as_ref().context("agent not running")?.child.id();
+        let inodes: std::collections::HashSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))?
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok())
+            .collect();
+        let mut out = std::collections::BTreeSet::new();
+        for (file, proto) in [("tcp", "tcp"), ("tcp6", "tcp"), ("udp", "udp"), ("udp6", "udp")] {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/net/{file}"))?;
+            for line in text.lines().skip(1) {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let (Some(local), Some(state), Some(inode)) = (f.get(1), f.get(3), f.get(9).and_then(|i| i.parse::<u64>().ok())) else { continue };
+                // TCP: LISTEN (0A) only; UDP: every bound socket (unconnected is 07).
+                if !inodes.contains(&inode) || (proto == "tcp" && *state != "0A") {
+                    continue;
+                }
+                out.insert((proto, proc_net_addr(local).with_context(|| format!("/proc/net/{file}: {local}"))?));
+            }
+        }
+        Ok(out)
+    }
+
     fn launch(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<()> {
         let ready = self.spawn(ns, cgroup, reset)?;
         if ready.recv_timeout(self.ready_timeout).is_err() {
@@ -363,7 +391,9 @@ impl Agent {
             cmd.arg("--tc-interface=nc0,nn0");
         }
         // Each test agent has its own namespace; keep the endpoints off fixed ports anyway.
-        cmd.args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "127.0.0.1:0"]);
+        if !self.opts.default_listen {
+            cmd.args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "127.0.0.1:0"]);
+        }
         if !self.opts.keep_links {
             cmd.arg("--detach-on-exit");
         }
@@ -587,6 +617,21 @@ pub fn assert_connected_udp_leaves_departed_backend(lab: &Lab, agent: &Agent, to
     assert!(lost.len() <= 2, "lost queries at {lost:?} (be1 left at {left})");
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("terminated 1 connected UDP sockets to departed backends (0 failed"), "{log}");
+}
+
+/// `ADDR:PORT` as `/proc/net/tcp*` prints it: the address as 32-bit words in hex, each the
+/// kernel's in-memory (network-order) bytes read as a native integer.
+fn proc_net_addr(s: &str) -> Option<std::net::SocketAddr> {
+    let (a, p) = s.split_once(':')?;
+    let port = u16::from_str_radix(p, 16).ok()?;
+    let words: Vec<u32> = (0..a.len() / 8).map(|i| u32::from_str_radix(&a[i * 8..i * 8 + 8], 16)).collect::<Result<_, _>>().ok()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let ip: std::net::IpAddr = match bytes.len() {
+        4 => std::net::Ipv4Addr::from(<[u8; 4]>::try_from(bytes).ok()?).into(),
+        16 => std::net::Ipv6Addr::from(<[u8; 16]>::try_from(bytes).ok()?).into(),
+        _ => return None,
+    };
+    Some(std::net::SocketAddr::new(ip, port))
 }
 
 /// Waits (bounded) until the agent's log has a line containing `needle`; returns that line.

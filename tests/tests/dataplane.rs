@@ -335,7 +335,7 @@ fn release(mut p: std::process::Child, mut out: BufReader<std::process::ChildStd
 #[test]
 fn an_upgrade_onto_maps_of_another_size_keeps_established_connections() {
     let _g = serial();
-    let opts = AgentOpts { socket_lb: true, tc: true, keep_links: true, extra: vec!["--map-conntrack=4096".into()] };
+    let opts = AgentOpts { socket_lb: true, tc: true, keep_links: true, extra: vec!["--map-conntrack=4096".into()], ..Default::default() };
     let (lab, mut agent) = setup(opts, &[0, 1, 2]);
     let (tc_p, tc_out, tc_before) = hold(&lab, false, 12);
     let (sock_p, sock_out, sock_before) = hold(&lab, true, 12);
