@@ -332,7 +332,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         local_redirects: listeners.redirects().to_vec(),
         ..Default::default()
     };
-    let mut pipeline = Pipeline::new(maps, lb, node).with_node_port_addresses(settings.node_port_addresses.clone()).with_service_nets(&dump.service_nets);
+    let pipeline = Pipeline::new(maps, lb, node).with_node_port_addresses(settings.node_port_addresses.clone()).with_service_nets(&dump.service_nets);
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
     // Polls the socket tables while there are rules; ends with the sources.
@@ -378,135 +378,63 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let mut conntrack_tick = tokio::time::interval(Duration::from_secs(args.conntrack_scan_secs.max(1)));
     let (ct_tx, mut ct_rx) = tokio::sync::mpsc::channel::<Vec<Fill>>(1);
-    let mut fills = MapFills::default();
-    let (map_services, map_backends) = (sizes.services as usize, sizes.backends as usize);
     state.beat();
-
-    let mut health_checks = crate::healthcheck::HealthCheckServers::default();
-    let mut departed_tcp: Vec<(Instant, crate::pipeline::Departure)> = Vec::new();
-    let mut ready = false;
+    let mut agent = Agent {
+        bpffs: args.bpffs.clone(),
+        host_proc: args.host_proc.clone(),
+        state,
+        metrics,
+        pipeline,
+        links: mgr,
+        state_dir,
+        problem_events,
+        fills: MapFills::default(),
+        map_services: sizes.services as usize,
+        map_backends: sizes.backends as usize,
+        health_checks: crate::healthcheck::HealthCheckServers::default(),
+        departed_tcp: Vec::new(),
+        ready: false,
+    };
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
         tokio::select! {
             ev = rx.recv() => {
                 let Some(ev) = ev else { break };
-                state.beat();
-                let t0 = Instant::now();
-                note_node(&state, &ev);
-                pipeline.handle(ev);
-                while let Ok(ev) = rx.try_recv() {
-                    note_node(&state, &ev);
-                    pipeline.handle(ev);
-                }
-                let t_flush = Instant::now();
-                let rep = pipeline.flush();
-                metrics.observe_flush(&rep, t_flush.elapsed());
-                if !rep.stale_udp.is_empty() {
-                    // Walks the conntrack map and the node's sockets: off the run loop.
-                    let (bpffs, proc_dir, stale, metrics) = (args.bpffs.clone(), args.host_proc.clone(), rep.stale_udp.clone(), metrics.clone());
-                    tokio::task::spawn_blocking(move || {
-                        match dataplane::purge_conntrack(&bpffs, &stale) {
-                            Ok(n) => tracing::debug!("removed {n} UDP flows to {} departed backends", stale.len()),
-                            Err(e) => tracing::warn!("removing UDP flows to departed backends: {e:#}"),
-                        }
-                        // Socket LB's connected UDP sockets (none when socket LB is off).
-                        terminate_sockets(&bpffs, &proc_dir, Proto::Udp, &stale, &metrics);
-                    });
-                }
-                let due = Instant::now() + TCP_TERMINATION_GRACE;
-                departed_tcp.extend(rep.departed_tcp.iter().cloned().map(|d| (due, d)));
-                if let Some(ev) = problem_events.as_mut() {
-                    ev.report(&rep.problems);
-                }
-                if rep.services > 0 {
-                    metrics.observe_programming_latency(t0.elapsed());
-                }
-                let lb = pipeline.lb();
-                metrics.set_programmed(lb.frontend_count(), lb.backend_count(), pipeline.service_count());
-                for fill in [
-                    Fill { map: "services", entries: lb.service_entries(), capacity: map_services },
-                    Fill { map: "backends", entries: lb.backend_count(), capacity: map_backends },
-                    Fill { map: "service_nets", entries: pipeline.service_nets().len(), capacity: gardenet_common::DEFAULT_SERVICE_NETS_MAX as usize },
-                ] {
-                    note_fill(&mut fills, fill, &metrics, &state, problem_events.as_ref());
-                }
-                state.set_synced(pipeline.is_synced());
-                health_checks.update(pipeline.health_checks());
-                if rep.services > 0 {
-                    tracing::debug!(services = rep.services, puts = rep.writes.puts, deletes = rep.writes.deletes, "programmed in {:?}", t0.elapsed());
-                }
-                if !ready && pipeline.is_synced() {
-                    ready = true;
-                    tracing::info!(
-                        frontends = pipeline.lb().frontend_count(),
-                        backends = pipeline.lb().backend_count(),
-                        "ready: first full sync programmed in {:?}", t0.elapsed()
-                    );
-                }
+                agent.on_source_events(ev, &mut rx);
             }
             lev = watcher.recv() => {
                 match lev {
                     Some(ev) => {
-                        mgr.handle(ev, Instant::now());
+                        agent.links.handle(ev, Instant::now());
                         while let Some(ev) = watcher.try_recv() {
-                            mgr.handle(ev, Instant::now());
+                            agent.links.handle(ev, Instant::now());
                         }
                     }
                     None => {
                         tracing::warn!("link notifications stopped; watching again");
                         let (links, w) = crate::links::watch(crate::links::WatchOptions::default()).await?;
                         watcher = w;
-                        mgr.sync(links, Instant::now());
+                        agent.links.sync(links, Instant::now());
                     }
                 }
-                links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
+                agent.links_changed();
             }
-            _ = tick.tick() => {
-                state.beat();
-                // TCP backends that left their Service and stayed away for the grace period:
-                // idle sockets that socket LB sent there are terminated (see `sockterm`).
-                let now = Instant::now();
-                let (due, waiting): (Vec<_>, Vec<_>) = departed_tcp.drain(..).partition(|(t, _)| *t <= now);
-                departed_tcp = waiting;
-                // Port 0: any port of the address (see `sockterm::terminate`).
-                let gone: Vec<(Frontend, Backend)> =
-                    due.into_iter().filter(|(_, d)| pipeline.still_departed(d)).map(|(_, d)| (d.frontend, Backend::new(d.addr, 0))).collect();
-                if !gone.is_empty() {
-                    let (bpffs, proc_dir, metrics) = (args.bpffs.clone(), args.host_proc.clone(), metrics.clone());
-                    tokio::task::spawn_blocking(move || terminate_sockets(&bpffs, &proc_dir, Proto::Tcp, &gone, &metrics));
-                }
-                let orphans = pipeline.orphan_slices(Instant::now());
-                if !orphans.is_empty() {
-                    metrics.observe_problems(&orphans);
-                    if let Some(ev) = problem_events.as_mut() {
-                        ev.report(&orphans);
-                    }
-                }
-                mgr.tick(Instant::now());
-                links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
-                if let Ok(stats) = mgr.attacher_mut().stats() {
-                    metrics.set_datapath(&stats);
-                }
-            }
+            _ = tick.tick() => agent.on_tick(),
             _ = conntrack_tick.tick() => {
                 // Walks the conntrack maps: off the run loop; the fills come back below.
-                let (bpffs, ct_tx) = (args.bpffs.clone(), ct_tx.clone());
+                let (bpffs, ct_tx) = (agent.bpffs.clone(), ct_tx.clone());
                 tokio::task::spawn_blocking(move || {
                     if let Ok(fills) = dataplane::conntrack_fill(&bpffs) {
                         let _ = ct_tx.try_send(fills);
                     }
                 });
             }
-            Some(ct) = ct_rx.recv() => {
-                metrics.set_conntrack_entries(ct.iter().map(|f| f.entries).sum());
-                for fill in ct {
-                    note_fill(&mut fills, fill, &metrics, &state, problem_events.as_ref());
-                }
-            }
+            Some(ct) = ct_rx.recv() => agent.on_conntrack_fills(ct),
             _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted, exiting"); break }
             _ = sigterm.recv() => { tracing::info!("terminated, exiting"); break }
         }
     }
+    let (state_dir, mut mgr) = (agent.state_dir, agent.links);
     src.abort();
     listener_task.abort();
     let _ = std::fs::remove_file(state_dir.join("links.json"));
@@ -528,6 +456,135 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     // Maps (and, without --detach-on-exit, links) stay pinned for the next run.
     Ok(())
+}
+
+/// The running agent: the parts the run loop drives once the dataplane is loaded, with one
+/// method per kind of event (source changes, the periodic tick, conntrack fills; link
+/// events go straight to `links`).
+struct Agent {
+    bpffs: PathBuf,
+    /// The node's /proc: every network namespace, for socket termination.
+    host_proc: PathBuf,
+    state: Arc<AgentState>,
+    metrics: Arc<Metrics>,
+    pipeline: Pipeline<dataplane::AyaLbMaps>,
+    links: crate::links::LinkManager<Dataplane>,
+    /// Where `links.json` is published.
+    state_dir: PathBuf,
+    /// Events on the Node and on Services (only with the Kubernetes source).
+    problem_events: Option<crate::events::ProblemEvents>,
+    fills: MapFills,
+    map_services: usize,
+    map_backends: usize,
+    health_checks: crate::healthcheck::HealthCheckServers,
+    /// TCP departures waiting out `TCP_TERMINATION_GRACE`.
+    departed_tcp: Vec<(Instant, crate::pipeline::Departure)>,
+    /// The first full sync is programmed.
+    ready: bool,
+}
+
+impl Agent {
+    /// Takes `first` and whatever else is queued, programs it in one flush and reports.
+    fn on_source_events(&mut self, first: SourceEvent, rx: &mut mpsc::Receiver<SourceEvent>) {
+        self.state.beat();
+        let t0 = Instant::now();
+        note_node(&self.state, &first);
+        self.pipeline.handle(first);
+        while let Ok(ev) = rx.try_recv() {
+            note_node(&self.state, &ev);
+            self.pipeline.handle(ev);
+        }
+        let t_flush = Instant::now();
+        let rep = self.pipeline.flush();
+        self.metrics.observe_flush(&rep, t_flush.elapsed());
+        self.clean_up_after(&rep);
+        if let Some(ev) = self.problem_events.as_mut() {
+            ev.report(&rep.problems);
+        }
+        if rep.services > 0 {
+            self.metrics.observe_programming_latency(t0.elapsed());
+            tracing::debug!(services = rep.services, puts = rep.writes.puts, deletes = rep.writes.deletes, "programmed in {:?}", t0.elapsed());
+        }
+        let lb = self.pipeline.lb();
+        self.metrics.set_programmed(lb.frontend_count(), lb.backend_count(), self.pipeline.service_count());
+        for fill in [
+            Fill { map: "services", entries: lb.service_entries(), capacity: self.map_services },
+            Fill { map: "backends", entries: lb.backend_count(), capacity: self.map_backends },
+            Fill { map: "service_nets", entries: self.pipeline.service_nets().len(), capacity: gardenet_common::DEFAULT_SERVICE_NETS_MAX as usize },
+        ] {
+            note_fill(&mut self.fills, fill, &self.metrics, &self.state, self.problem_events.as_ref());
+        }
+        self.state.set_synced(self.pipeline.is_synced());
+        self.health_checks.update(self.pipeline.health_checks());
+        if !self.ready && self.pipeline.is_synced() {
+            self.ready = true;
+            tracing::info!(
+                frontends = self.pipeline.lb().frontend_count(),
+                backends = self.pipeline.lb().backend_count(),
+                "ready: first full sync programmed in {:?}",
+                t0.elapsed()
+            );
+        }
+    }
+
+    /// What departed backends leave behind: UDP conntrack entries and connected UDP sockets
+    /// now (off the run loop), idle TCP sockets after the grace period (`on_tick`).
+    fn clean_up_after(&mut self, rep: &crate::pipeline::FlushReport) {
+        if !rep.stale_udp.is_empty() {
+            let (bpffs, proc_dir, stale, metrics) = (self.bpffs.clone(), self.host_proc.clone(), rep.stale_udp.clone(), self.metrics.clone());
+            tokio::task::spawn_blocking(move || {
+                match dataplane::purge_conntrack(&bpffs, &stale) {
+                    Ok(n) => tracing::debug!("removed {n} UDP flows to {} departed backends", stale.len()),
+                    Err(e) => tracing::warn!("removing UDP flows to departed backends: {e:#}"),
+                }
+                // Socket LB's connected UDP sockets (none when socket LB is off).
+                terminate_sockets(&bpffs, &proc_dir, Proto::Udp, &stale, &metrics);
+            });
+        }
+        let due = Instant::now() + TCP_TERMINATION_GRACE;
+        self.departed_tcp.extend(rep.departed_tcp.iter().cloned().map(|d| (due, d)));
+    }
+
+    /// Every 500 ms: liveness, TCP departures that are due, orphaned slices, link retries,
+    /// datapath counters.
+    fn on_tick(&mut self) {
+        self.state.beat();
+        // TCP backends that left their Service and stayed away for the grace period: idle
+        // sockets that socket LB sent there are terminated (see `sockterm`).
+        let now = Instant::now();
+        let (due, waiting): (Vec<_>, Vec<_>) = self.departed_tcp.drain(..).partition(|(t, _)| *t <= now);
+        self.departed_tcp = waiting;
+        // Port 0: any port of the address (see `sockterm::terminate`).
+        let gone: Vec<(Frontend, Backend)> =
+            due.into_iter().filter(|(_, d)| self.pipeline.still_departed(d)).map(|(_, d)| (d.frontend, Backend::new(d.addr, 0))).collect();
+        if !gone.is_empty() {
+            let (bpffs, proc_dir, metrics) = (self.bpffs.clone(), self.host_proc.clone(), self.metrics.clone());
+            tokio::task::spawn_blocking(move || terminate_sockets(&bpffs, &proc_dir, Proto::Tcp, &gone, &metrics));
+        }
+        let orphans = self.pipeline.orphan_slices(now);
+        if !orphans.is_empty() {
+            self.metrics.observe_problems(&orphans);
+            if let Some(ev) = self.problem_events.as_mut() {
+                ev.report(&orphans);
+            }
+        }
+        self.links.tick(now);
+        self.links_changed();
+        if let Ok(stats) = self.links.attacher_mut().stats() {
+            self.metrics.set_datapath(&stats);
+        }
+    }
+
+    fn on_conntrack_fills(&mut self, ct: Vec<Fill>) {
+        self.metrics.set_conntrack_entries(ct.iter().map(|f| f.entries).sum());
+        for fill in ct {
+            note_fill(&mut self.fills, fill, &self.metrics, &self.state, self.problem_events.as_ref());
+        }
+    }
+
+    fn links_changed(&self) {
+        links_changed(&self.state_dir, &self.state, &self.metrics, &self.links.snapshot());
+    }
 }
 
 /// The NetworkConfig from the `providerConfig` of the Network the agent is pointed at (it
