@@ -20,6 +20,9 @@ use gardenet_common::{
 
 use crate::model::{Backend, Cidr, Frontend, FrontendSpec, Proto, Scope};
 
+mod batch;
+pub use batch::Op;
+
 /// Errors from the map backend (a full map, a vanished pin, ...).
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
@@ -75,6 +78,81 @@ pub trait LbMaps {
     }
     fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
         Err(MapError::Other(format!("delete {net}: this map backend has no service-net map")))
+    }
+
+    /// Applies the elements of `b` in order, as if one by one (a reader may see any prefix),
+    /// and stops at the first that fails: [`BatchError::done`] elements were written. Deleting
+    /// a missing key is not an error. The default writes one by one; the kernel backend uses
+    /// `BPF_MAP_UPDATE_BATCH`/`BPF_MAP_DELETE_BATCH` where the kernel has them.
+    fn write_batch(&mut self, b: Batch<'_>) -> Result<(), BatchError> {
+        one_by_one(self, b)
+    }
+}
+
+/// Many writes to one hash map: keys (and values) in the order they are applied.
+#[derive(Clone, Copy, Debug)]
+pub enum Batch<'a> {
+    PutBackends(&'a [u32], &'a [Backend4]),
+    PutBackends6(&'a [u32], &'a [Backend6]),
+    PutServices(&'a [ServiceKey4], &'a [ServiceValue4]),
+    PutServices6(&'a [ServiceKey6], &'a [ServiceValue4]),
+    PutMatches(&'a [AffinityMatchKey4]),
+    PutMatches6(&'a [AffinityMatchKey6]),
+    DelBackends(&'a [u32]),
+    DelBackends6(&'a [u32]),
+    DelServices(&'a [ServiceKey4]),
+    DelServices6(&'a [ServiceKey6]),
+    DelMatches(&'a [AffinityMatchKey4]),
+    DelMatches6(&'a [AffinityMatchKey6]),
+}
+
+impl Batch<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Batch::PutBackends(k, _) | Batch::PutBackends6(k, _) | Batch::DelBackends(k) | Batch::DelBackends6(k) => k.len(),
+            Batch::PutServices(k, _) | Batch::DelServices(k) => k.len(),
+            Batch::PutServices6(k, _) | Batch::DelServices6(k) => k.len(),
+            Batch::PutMatches(k) | Batch::DelMatches(k) => k.len(),
+            Batch::PutMatches6(k) | Batch::DelMatches6(k) => k.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A batch that stopped: its first `done` elements were written, element `done` failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{error} (element {done} of a batch)")]
+pub struct BatchError {
+    pub done: usize,
+    #[source]
+    pub error: MapError,
+}
+
+/// [`LbMaps::write_batch`] with single writes.
+pub fn one_by_one<M: LbMaps + ?Sized>(maps: &mut M, b: Batch<'_>) -> Result<(), BatchError> {
+    fn each(n: usize, mut f: impl FnMut(usize) -> Result<(), MapError>) -> Result<(), BatchError> {
+        for done in 0..n {
+            f(done).map_err(|error| BatchError { done, error })?;
+        }
+        Ok(())
+    }
+    let n = b.len();
+    match b {
+        Batch::PutBackends(k, v) => each(n, |i| maps.put_backend(k[i], &v[i])),
+        Batch::PutBackends6(k, v) => each(n, |i| maps.put_backend6(k[i], &v[i])),
+        Batch::PutServices(k, v) => each(n, |i| maps.put_service(&k[i], &v[i])),
+        Batch::PutServices6(k, v) => each(n, |i| maps.put_service6(&k[i], &v[i])),
+        Batch::PutMatches(k) => each(n, |i| maps.put_match(&k[i])),
+        Batch::PutMatches6(k) => each(n, |i| maps.put_match6(&k[i])),
+        Batch::DelBackends(k) => each(n, |i| maps.del_backend(k[i])),
+        Batch::DelBackends6(k) => each(n, |i| maps.del_backend6(k[i])),
+        Batch::DelServices(k) => each(n, |i| maps.del_service(&k[i])),
+        Batch::DelServices6(k) => each(n, |i| maps.del_service6(&k[i])),
+        Batch::DelMatches(k) => each(n, |i| maps.del_match(&k[i])),
+        Batch::DelMatches6(k) => each(n, |i| maps.del_match6(&k[i])),
     }
 }
 
