@@ -993,6 +993,8 @@ pub struct MemMaps {
     pub max_backends: Option<usize>,
     pub check_invariant: bool,
     pub writes: u64,
+    /// `write_batch` calls (each applied element by element, checked after each).
+    pub batches: u64,
 }
 
 impl MemMaps {
@@ -1158,6 +1160,10 @@ impl LbMaps for MemMaps {
         self.service_nets.remove(net);
         self.writes += 1;
         Ok(())
+    }
+    fn write_batch(&mut self, b: Batch<'_>) -> Result<(), BatchError> {
+        self.batches += 1;
+        one_by_one(self, b)
     }
 }
 
@@ -1519,6 +1525,174 @@ mod tests {
         assert_eq!(ids, m.backends6.keys().copied().collect());
         st.delete(&mut m, &fe6(80)).unwrap();
         assert!(m.matches6.is_empty() && m.backends6.is_empty());
+    }
+
+    /// The frontends as the maps have them, and as the state knows them.
+    fn both(m: &MemMaps, st: &LbState) -> (Vec<(String, Vec<Backend>, u32)>, Vec<(String, Vec<Backend>)>) {
+        let maps = m.dump().frontends().into_iter().map(|d| (d.frontend.to_string(), d.backends, d.dangling_slots)).collect();
+        let state = st.frontends().map(|f| (f.to_string(), st.backends_of(f))).collect();
+        (maps, state)
+    }
+
+    fn sorted(mut v: Vec<Backend>) -> Vec<Backend> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn apply_in_batches_ends_where_one_by_one_does() {
+        // Same ops through apply (batched, MemMaps checks after every element) and through
+        // upsert/delete one at a time: same maps, same state.
+        let cidr = |c: &str| -> Cidr { c.parse().unwrap() };
+        let rounds: Vec<Vec<Op>> = vec![
+            vec![
+                Op::Upsert(fe(80), spec(&[1, 2, 3])),
+                Op::Upsert(fe(81), FrontendSpec { affinity_timeout: 30, ..spec(&[3, 4]) }),
+                Op::Upsert(fe6(80), spec6(&[1, 2])),
+                Op::Upsert(fe(82), FrontendSpec { source_ranges: vec![cidr("10.0.0.0/8")], ..spec(&[5]) }),
+                Op::Upsert(fe(83), spec(&[])),
+            ],
+            vec![
+                // Backend 3 leaves :80 and stays with :81; 1 moves from :80 to :84.
+                Op::Upsert(fe(80), spec(&[2])),
+                Op::Upsert(fe(84), spec(&[1, 9])),
+                Op::Upsert(fe(81), spec(&[3, 4, 6])),
+                Op::Delete(fe6(80)),
+                Op::Upsert(fe(82), FrontendSpec { source_ranges: vec![cidr("192.0.2.0/24")], ..spec(&[5, 6]) }),
+                Op::Upsert(fe(83), spec(&[])),
+            ],
+            vec![
+                Op::Delete(fe(80)),
+                Op::Upsert(fe(85), spec(&[2])),
+                Op::Upsert(fe(81), FrontendSpec { affinity_timeout: 30, ..spec(&[4]) }),
+                Op::Delete(fe(82)),
+                Op::Upsert(fe6(81), spec6(&[7])),
+                // The same frontend twice: the second change comes after the first.
+                Op::Upsert(fe(84), spec(&[1])),
+                Op::Upsert(fe(84), spec(&[8])),
+            ],
+        ];
+        let (mut bm, mut bs) = (MemMaps::checked(), LbState::new());
+        let (mut sm, mut ss) = (MemMaps::checked(), LbState::new());
+        for ops in &rounds {
+            let batched: Vec<Writes> = bs.apply(&mut bm, ops).into_iter().map(|r| r.unwrap()).collect();
+            let single: Vec<Writes> = ops
+                .iter()
+                .map(|op| match op {
+                    Op::Upsert(f, s) => ss.upsert(&mut sm, f, s).unwrap(),
+                    Op::Delete(f) => ss.delete(&mut sm, f).unwrap(),
+                })
+                .collect();
+            // A backend leaving one frontend and joining another in the same batch is kept,
+            // not deleted and created again: never more writes than one by one.
+            let total = |v: &[Writes]| v.iter().map(|w| w.total()).sum::<u32>();
+            assert!(total(&batched) <= total(&single), "{batched:?} vs {single:?}");
+            assert_eq!(batched.len(), single.len());
+            let (b, s) = (both(&bm, &bs), both(&sm, &ss));
+            let norm = |v: (Vec<(String, Vec<Backend>, u32)>, Vec<(String, Vec<Backend>)>)| {
+                (v.0.into_iter().map(|(f, b, d)| (f, sorted(b), d)).collect::<Vec<_>>(), v.1.into_iter().map(|(f, b)| (f, sorted(b))).collect::<Vec<_>>())
+            };
+            assert_eq!(norm(b), norm(s));
+            assert_eq!(bm.ranges, sm.ranges);
+            assert_eq!(bm.matches.len(), sm.matches.len());
+            assert_eq!(bm.backends.len(), sm.backends.len());
+            assert_eq!(bs.backend_count(), bm.backends.len() + bm.backends6.len());
+        }
+        assert!(bm.batches > 0);
+        assert!(bm.writes <= sm.writes, "no extra writes: {} vs {}", bm.writes, sm.writes);
+    }
+
+    #[test]
+    fn a_backend_moving_between_frontends_in_one_batch_keeps_its_id() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        st.upsert(&mut m, &fe(80), &spec(&[1, 2])).unwrap();
+        let id2 = *m.backends.iter().find(|(_, b)| backend_from_value(b) == be(2)).unwrap().0;
+        let r = st.apply(&mut m, &[Op::Delete(fe(80)), Op::Upsert(fe(81), spec(&[2, 3]))]);
+        assert!(r.iter().all(|r| r.is_ok()));
+        assert!(m.backends.contains_key(&id2), "never deleted: :81 uses it");
+        assert_eq!(m.backends.len(), 2);
+        assert_eq!(programmed(&m, &fe(81)), vec![be(2), be(3)]);
+        assert!(!m.services.contains_key(&service_key(&fe(80))));
+    }
+
+    #[test]
+    fn a_map_filling_up_mid_batch_fails_only_the_frontends_that_do_not_fit() {
+        // Five frontends with two backends each, then all grow to four in one batch: the
+        // services map has room for two of them. The batch fails in its slot step, is undone,
+        // and the frontends are redone one by one: the first two grow, the others report the
+        // full map and keep their two backends. MemMaps checks every element of every step.
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let fes: Vec<Frontend> = (80..85).map(fe).collect();
+        let ops: Vec<Op> = fes.iter().map(|f| Op::Upsert(*f, spec(&[1, 2]))).collect();
+        assert!(st.apply(&mut m, &ops).iter().all(|r| r.is_ok()));
+        m.max_services = Some(m.services.len() + 4);
+        let ops: Vec<Op> = fes.iter().map(|f| Op::Upsert(*f, spec(&[1, 2, 3, 4]))).collect();
+        let batches = m.batches;
+        let r = st.apply(&mut m, &ops);
+        assert!(m.batches > batches);
+        assert!(r[0].is_ok() && r[1].is_ok(), "{r:?}");
+        for r in &r[2..] {
+            assert!(matches!(r, Err(MapError::Full { .. })), "{r:?}");
+        }
+        for f in &fes[..2] {
+            assert_eq!(programmed(&m, f), vec![be(1), be(2), be(3), be(4)]);
+        }
+        for f in &fes[2..] {
+            assert_eq!(programmed(&m, f), vec![be(1), be(2)]);
+        }
+        // The state matches the maps: what a restart would adopt, and later changes work.
+        let (maps, state) = both(&m, &st);
+        assert_eq!(
+            maps.iter().map(|(f, b, _)| (f.clone(), sorted(b.clone()))).collect::<Vec<_>>(),
+            state.into_iter().map(|(f, b)| (f, sorted(b))).collect::<Vec<_>>()
+        );
+        assert!(maps.iter().all(|(_, _, d)| *d == 0));
+        assert_eq!(st.backend_count(), m.backends.len());
+        m.max_services = None;
+        assert!(st.apply(&mut m, &ops).iter().all(|r| r.is_ok()));
+        for f in &fes {
+            assert_eq!(programmed(&m, f), vec![be(1), be(2), be(3), be(4)]);
+        }
+    }
+
+    #[test]
+    fn a_map_filling_up_in_the_master_step_unpublishes_and_redoes_one_by_one() {
+        // New frontends, one backend each: all slots fit, the services map fills after two
+        // masters. Those two are put back (deleted), everything else undone, then redone one
+        // by one: the first frontends that fit are programmed, the rest report the full map.
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let n = 6;
+        m.max_services = Some(n + 2);
+        let ops: Vec<Op> = (0..n as u16).map(|i| Op::Upsert(fe(80 + i), spec(&[i as u8 + 1]))).collect();
+        let r = st.apply(&mut m, &ops);
+        let ok = r.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(ok, (n + 2) / 2, "{r:?}");
+        assert!(r[ok..].iter().all(|r| matches!(r, Err(MapError::Full { .. }))));
+        assert_eq!(m.services.len(), 2 * ok);
+        assert_eq!(m.backends.len(), ok, "backends of failed frontends are gone");
+        assert_eq!(st.backend_count(), ok);
+        for (i, f) in (0..n as u16).map(|i| fe(80 + i)).enumerate() {
+            assert_eq!(st.contains(&f), i < ok);
+        }
+    }
+
+    #[test]
+    fn a_full_backend_map_mid_batch_is_reported_for_the_frontends_concerned() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        st.upsert(&mut m, &fe(80), &spec(&[1])).unwrap();
+        m.max_backends = Some(3);
+        let ops = vec![Op::Upsert(fe(80), spec(&[1, 2])), Op::Upsert(fe(81), spec(&[3, 4])), Op::Upsert(fe(82), spec(&[1]))];
+        let r = st.apply(&mut m, &ops);
+        assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
+        assert!(matches!(r[1], Err(MapError::Full { .. })), "{r:?}");
+        assert_eq!(programmed(&m, &fe(80)), vec![be(1), be(2)]);
+        assert_eq!(programmed(&m, &fe(82)), vec![be(1)]);
+        assert!(!m.services.contains_key(&service_key(&fe(81))));
+        assert_eq!(m.backends.len(), 2);
     }
 
     #[test]

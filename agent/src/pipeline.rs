@@ -886,6 +886,35 @@ mod tests {
         assert_eq!(p.stats.map_errors, 1);
     }
 
+    #[test]
+    fn a_full_map_in_a_batched_flush_is_reported_on_the_service_concerned() {
+        // Ten Services in one flush (one batch); the backend map holds 25 of their 30
+        // backends: the batch fails, is redone one frontend at a time, and exactly the
+        // Services that did not fit report it. MemMaps checks make-before-break throughout.
+        let mut p = Pipeline::new(MemMaps { check_invariant: true, max_backends: Some(25), ..Default::default() }, LbState::new(), NodeInfo::default());
+        for i in 0..10 {
+            let ips: Vec<String> = (0..3).map(|j| format!("10.0.{i}.{j}")).collect();
+            let ips: Vec<&str> = ips.iter().map(|s| s.as_str()).collect();
+            p.handle(SourceEvent::ServiceApplied(Arc::new(web(&format!("10.96.0.{}", i + 1), &format!("s{i}")))));
+            p.handle(SourceEvent::SliceApplied(Arc::new(eps(&format!("s{i}"), &format!("s{i}-x"), &ips))));
+        }
+        p.handle(SourceEvent::Synced);
+        let r = p.flush();
+        assert!(p.maps().batches > 0);
+        let full: BTreeSet<&str> = r.problems.iter().filter(|pr| pr.kind == ProblemKind::MapFull).map(|pr| pr.service.as_str()).collect();
+        assert_eq!(full, BTreeSet::from(["d/s8", "d/s9"]), "{:?}", r.problems);
+        for i in 0..8 {
+            assert_eq!(backends(&p, &format!("10.96.0.{}:80", i + 1)).len(), 3);
+        }
+        assert!(backends(&p, "10.96.0.9:80").is_empty());
+        assert_eq!(p.service_count(), 8);
+        // Room again: the next change of a failed Service programs it.
+        p.maps.max_backends = None;
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("s9", "s9-x", &["10.0.9.0"]))));
+        p.flush();
+        assert_eq!(backends(&p, "10.96.0.10:80"), ["10.0.9.0:8080"]);
+    }
+
     fn node(addresses: &str) -> k8s_openapi::api::core::v1::Node {
         serde_yaml::from_str(&format!("metadata: {{name: n1, labels: {{topology.kubernetes.io/zone: z1}}}}\nstatus: {{addresses: [{addresses}]}}")).unwrap()
     }
