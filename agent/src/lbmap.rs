@@ -8,7 +8,10 @@
 //!
 //! Everything here is pure (maps behind the [`LbMaps`] trait) and unit-tested with an
 //! in-memory map that checks that invariant after every single write.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    hash::{BuildHasher, BuildHasherDefault},
+};
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -405,14 +408,98 @@ struct Programmed {
 
 type BeKey = (Backend, Proto);
 
+/// The backends in the maps: id -> (backend, number of frontends using it), and the way back.
+/// The way back is a table of ids hashed by their backend (5 bytes a backend, where a
+/// `HashMap<BeKey, u32>` took 29: ~13 MiB at 300,000 backends).
+#[derive(Default)]
+struct Backends {
+    by_id: HashMap<u32, (BeKey, u32), BuildHasherDefault<IdHasher>>,
+    ids: hashbrown::HashTable<u32>,
+    /// Keyed (SipHash): backend addresses come from the cluster's EndpointSlices.
+    hasher: std::hash::RandomState,
+}
+
+/// Hashes the writer's own backend ids (sequential, never chosen by anyone else): one
+/// multiplication instead of SipHash on the sync's hottest lookups.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u32(&mut self, i: u32) {
+        // Fibonacci hashing: distinct ids spread over the high bits (hashbrown's tag) and,
+        // the multiplier being odd, over the low bits (its bucket index) too.
+        self.0 = u64::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+impl std::fmt::Debug for Backends {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.by_id.iter()).finish()
+    }
+}
+
+impl Backends {
+    /// The id of a backend (the first one adopted, if a previous agent left two).
+    fn id_of(&self, k: &BeKey) -> Option<u32> {
+        let by_id = &self.by_id;
+        self.ids.find(self.hasher.hash_one(k), |id| by_id.get(id).is_some_and(|(b, _)| b == k)).copied()
+    }
+
+    /// A backend that has no id yet, used by nobody yet.
+    fn insert(&mut self, k: BeKey, id: u32) {
+        self.by_id.insert(id, (k, 0));
+        let Backends { by_id, ids, hasher } = self;
+        ids.insert_unique(hasher.hash_one(k), id, |i| hasher.hash_one(by_id[i].0));
+    }
+
+    /// A backend found in the maps; a second id for the same backend is counted but not found
+    /// by [`Backends::id_of`].
+    fn adopt(&mut self, k: BeKey, id: u32) {
+        if self.id_of(&k).is_some() {
+            self.by_id.insert(id, (k, 0));
+        } else {
+            self.insert(k, id);
+        }
+    }
+
+    fn remove(&mut self, id: u32) {
+        let Some((k, _)) = self.by_id.get(&id) else { return };
+        if let Ok(e) = self.ids.find_entry(self.hasher.hash_one(k), |i| *i == id) {
+            e.remove();
+        }
+        self.by_id.remove(&id);
+    }
+
+    fn get(&self, id: &u32) -> Option<&(BeKey, u32)> {
+        self.by_id.get(id)
+    }
+
+    fn get_mut(&mut self, id: &u32) -> Option<&mut (BeKey, u32)> {
+        self.by_id.get_mut(id)
+    }
+
+    fn contains_id(&self, id: &u32) -> bool {
+        self.by_id.contains_key(id)
+    }
+
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+}
+
 /// What is programmed in the maps, as the writer knows it.
 #[derive(Debug, Default)]
 pub struct LbState {
     frontends: BTreeMap<Frontend, Programmed>,
-    /// Backend -> id.
-    backends: HashMap<BeKey, u32>,
-    /// Id -> (backend, number of frontends using it).
-    by_id: HashMap<u32, (BeKey, u32)>,
+    backends: Backends,
     next_id: u32,
     /// Source ranges in the maps, by frontend (also ones whose master is gone: an upsert of
     /// that frontend then removes what it does not want).
@@ -655,8 +742,12 @@ impl LbState {
             }
             for id in &ids {
                 let k = (bes[id], proto);
-                st.backends.entry(k).or_insert(*id);
-                st.by_id.entry(*id).or_insert((k, 0)).1 += 1;
+                if !st.backends.contains_id(id) {
+                    st.backends.adopt(k, *id);
+                }
+                if let Some(e) = st.backends.get_mut(id) {
+                    e.1 += 1;
+                }
             }
             st.frontends.insert(fe, Programmed { slots: ids, affinity_timeout: v.affinity_timeout, flags: v.flags });
         }
@@ -674,7 +765,7 @@ impl LbState {
 
     /// The backends `fe` is programmed with (empty if it is not).
     pub fn backends_of(&self, fe: &Frontend) -> Vec<Backend> {
-        self.frontends.get(fe).map_or_else(Vec::new, |p| p.slots.iter().filter_map(|id| self.by_id.get(id)).map(|((b, _), _)| *b).collect())
+        self.frontends.get(fe).map_or_else(Vec::new, |p| p.slots.iter().filter_map(|id| self.backends.get(id)).map(|((b, _), _)| *b).collect())
     }
 
     pub fn backend_count(&self) -> usize {
@@ -696,7 +787,7 @@ impl LbState {
         loop {
             let id = self.next_id;
             self.next_id = self.next_id.wrapping_add(1).max(1);
-            if !self.by_id.contains_key(&id) {
+            if !self.backends.contains_id(&id) {
                 return id;
             }
         }
@@ -705,8 +796,7 @@ impl LbState {
     fn forget_created(&mut self, maps: &mut impl LbMaps, created: Vec<(BeKey, u32)>) {
         for (k, id) in created {
             let _ = del_be(maps, id, &k.0);
-            self.backends.remove(&k);
-            self.by_id.remove(&id);
+            self.backends.remove(id);
         }
     }
 
@@ -751,8 +841,8 @@ impl LbState {
         let mut ids = Vec::with_capacity(wanted.len());
         for b in &wanted {
             let k = (*b, fe.proto);
-            if let Some(id) = self.backends.get(&k) {
-                ids.push(*id);
+            if let Some(id) = self.backends.id_of(&k) {
+                ids.push(id);
                 continue;
             }
             let id = self.alloc_id();
@@ -763,7 +853,6 @@ impl LbState {
             }
             w.puts += 1;
             self.backends.insert(k, id);
-            self.by_id.insert(id, (k, 0));
             created.push((k, id));
             ids.push(id);
         }
@@ -834,7 +923,7 @@ impl LbState {
             }
         }
         for id in &new_slots {
-            if let Some(e) = self.by_id.get_mut(id) {
+            if let Some(e) = self.backends.get_mut(id) {
                 e.1 += 1;
             }
         }
@@ -905,14 +994,14 @@ impl LbState {
             return false;
         }
         let have: BTreeSet<u32> = o.slots.iter().copied().collect();
-        wanted.iter().all(|b| self.backends.get(&(*b, proto)).is_some_and(|id| have.contains(id)))
+        wanted.iter().all(|b| self.backends.id_of(&(*b, proto)).is_some_and(|id| have.contains(&id)))
     }
 
     /// Drops one reference per id; deletes backends that reach zero. Returns deletes done.
     fn release(&mut self, maps: &mut impl LbMaps, ids: &[u32]) -> u32 {
         let mut n = 0;
         for id in ids {
-            let Some((k, refs)) = self.by_id.get_mut(id) else { continue };
+            let Some((k, refs)) = self.backends.get_mut(id) else { continue };
             *refs = refs.saturating_sub(1);
             if *refs == 0 {
                 let k = *k;
@@ -920,8 +1009,7 @@ impl LbState {
                     Ok(()) => n += 1,
                     Err(err) => tracing::warn!("deleting backend {id}: {err}"),
                 }
-                self.backends.remove(&k);
-                self.by_id.remove(id);
+                self.backends.remove(*id);
             }
         }
         n
@@ -944,6 +1032,10 @@ impl LbState {
 /// New slot order: survivors stay where they are, newcomers fill the holes, and leftover
 /// holes are closed by moving entries from the tail.
 pub fn plan_slots(old: &[u32], wanted: &[u32]) -> Vec<u32> {
+    if old.is_empty() {
+        // A new frontend (the whole full sync): nothing to keep in place.
+        return wanted.to_vec();
+    }
     let want: BTreeSet<u32> = wanted.iter().copied().collect();
     let kept: BTreeSet<u32> = old.iter().copied().filter(|id| want.contains(id)).collect();
     let mut adds: Vec<u32> = wanted.iter().copied().filter(|id| !kept.contains(id)).collect();
@@ -1693,6 +1785,30 @@ mod tests {
         assert_eq!(programmed(&m, &fe(82)), vec![be(1)]);
         assert!(!m.services.contains_key(&service_key(&fe(81))));
         assert_eq!(m.backends.len(), 2);
+    }
+
+    #[test]
+    fn backend_index_finds_ids_through_growth_and_removal() {
+        let mut b = Backends::default();
+        let key = |i: u32| (Backend::new(Ipv4Addr::from(0x0a00_0000 + i).into(), 8080), Proto::Tcp);
+        for i in 1..=5000 {
+            b.insert(key(i), i);
+        }
+        for i in (1..=5000).step_by(2) {
+            b.remove(i);
+        }
+        assert_eq!(b.len(), 2500);
+        for i in 1..=5000 {
+            assert_eq!(b.id_of(&key(i)), (i % 2 == 0).then_some(i), "{i}");
+        }
+        // A backend a previous agent left under two ids: found by the first, both counted.
+        b.adopt(key(2), 9000);
+        assert_eq!(b.id_of(&key(2)), Some(2));
+        assert!(b.contains_id(&9000));
+        b.remove(9000);
+        assert_eq!(b.id_of(&key(2)), Some(2), "removing the second id keeps the first");
+        b.remove(2);
+        assert_eq!(b.id_of(&key(2)), None);
     }
 
     #[test]

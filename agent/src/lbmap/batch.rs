@@ -280,12 +280,15 @@ impl LbState {
                 for s in MAKE[..n].iter().rev() {
                     l.undo(maps, *s, l.ops(*s).len());
                 }
-                for p in planned {
+                // Forget the whole batch before redoing any of it: a redone upsert must not
+                // find a backend of the batch that is in the state but no longer in the map.
+                for p in &planned {
                     forget_ranges(maps, &p.ranges_put);
-                    for (k, id) in p.created {
-                        self.backends.remove(&k);
-                        self.by_id.remove(&id);
+                    for (_, id) in &p.created {
+                        self.backends.remove(*id);
                     }
+                }
+                for p in planned {
                     out[p.op] = Some(self.apply_single(maps, &ops[p.op]));
                 }
                 return out.into_iter().map(|r| r.expect("every op has a result")).collect();
@@ -301,7 +304,7 @@ impl LbState {
         for p in &planned {
             if let Commit::Upsert { slots, .. } = &p.commit {
                 for id in slots {
-                    if let Some(e) = self.by_id.get_mut(id) {
+                    if let Some(e) = self.backends.get_mut(id) {
                         e.1 += 1;
                     }
                 }
@@ -313,7 +316,7 @@ impl LbState {
                 Commit::Delete { old } => &old.slots,
             };
             for id in old {
-                let Some((k, refs)) = self.by_id.get_mut(id) else { continue };
+                let Some((k, refs)) = self.backends.get_mut(id) else { continue };
                 *refs = refs.saturating_sub(1);
                 if *refs == 0 {
                     let k = *k;
@@ -322,8 +325,7 @@ impl LbState {
                         IpAddr::V6(_) => l.unbe6.push(p.op, *id, (), None),
                     }
                     writes[p.op].deletes += 1;
-                    self.backends.remove(&k);
-                    self.by_id.remove(id);
+                    self.backends.remove(*id);
                 }
             }
         }
@@ -409,8 +411,8 @@ impl LbState {
         let mut ids = Vec::with_capacity(wanted.len());
         for b in &wanted {
             let k = (*b, fe.proto);
-            if let Some(id) = self.backends.get(&k) {
-                ids.push(*id);
+            if let Some(id) = self.backends.id_of(&k) {
+                ids.push(id);
                 continue;
             }
             let id = self.alloc_id();
@@ -420,7 +422,6 @@ impl LbState {
             }
             w.puts += 1;
             self.backends.insert(k, id);
-            self.by_id.insert(id, (k, 0));
             created.push((k, id));
             ids.push(id);
         }
