@@ -434,9 +434,11 @@ impl std::hash::Hasher for IdHasher {
         }
     }
     fn write_u32(&mut self, i: u32) {
-        // Fibonacci hashing: distinct ids spread over the high bits (hashbrown's tag) and,
-        // the multiplier being odd, over the low bits (its bucket index) too.
-        self.0 = u64::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        // The id itself in the low bits (hashbrown's bucket index): ids allocated one after
+        // the other land in neighbouring buckets, which keeps a full sync in cache. The top
+        // bits (its 7-bit tag) come from a multiplication, so tags still tell ids apart.
+        let i = u64::from(i);
+        self.0 = (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) & 0xfe00_0000_0000_0000) | i;
     }
 }
 
