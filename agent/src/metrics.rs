@@ -102,7 +102,8 @@ struct RedirectLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ResultLabel {
+struct TerminationLabel {
+    protocol: &'static str,
     result: &'static str,
 }
 
@@ -126,7 +127,7 @@ pub struct Metrics {
     errors: Family<KindLabel, Counter>,
     map_writes: Family<OpLabel, Counter>,
     datapath_packets: Family<CounterLabel, Counter>,
-    socket_terminations: Family<ResultLabel, Counter>,
+    socket_terminations: Family<TerminationLabel, Counter>,
     kernel_features: Family<FeatureLabel, Gauge>,
     local_redirect_active: Family<RedirectLabel, Gauge>,
     sync_duration: Histogram,
@@ -190,7 +191,7 @@ impl Metrics {
         r.register("gardenet_map_writes", "BPF map writes by operation", m.map_writes.clone());
         r.register(
             "gardenet_socket_terminations",
-            "Connected UDP sockets socket LB had sent to a departed backend, by whether destroying them worked",
+            "Sockets socket LB had sent to a departed backend (connected UDP, idle TCP), by protocol and result: destroyed, failed, busy (TCP with data queued, left alone)",
             m.socket_terminations.clone(),
         );
         r.register("gardenet_datapath_packets", "Datapath packet counters (summed over CPUs)", m.datapath_packets.clone());
@@ -238,10 +239,15 @@ impl Metrics {
         }
     }
 
-    /// `gardenet_socket_terminations_total{result="destroyed"|"failed"}`.
+    /// `gardenet_socket_terminations_total{protocol="udp"|"tcp", result="destroyed"|"failed"|"busy"}`.
     pub fn observe_socket_termination(&self, t: &crate::sockterm::Terminated) {
-        self.socket_terminations.get_or_create(&ResultLabel { result: "destroyed" }).inc_by(t.destroyed as u64);
-        self.socket_terminations.get_or_create(&ResultLabel { result: "failed" }).inc_by(t.failed as u64);
+        let protocol = match t.proto {
+            crate::model::Proto::Tcp => "tcp",
+            crate::model::Proto::Udp => "udp",
+        };
+        for (result, n) in [("destroyed", t.destroyed), ("failed", t.failed), ("busy", t.busy)] {
+            self.socket_terminations.get_or_create(&TerminationLabel { protocol, result }).inc_by(n as u64);
+        }
     }
 
     /// Fill level of one map: alert on `entries / capacity` or on `gardenet_map_pressure`.

@@ -46,6 +46,21 @@ pub struct FlushReport {
     /// or a long-lived client socket keeps sending to the old backend (kube-proxy clears
     /// them too). TCP flows end by themselves.
     pub stale_udp: Vec<(Frontend, Backend)>,
+    /// TCP backends that left their Service altogether (see [`Departure`]).
+    pub departed_tcp: Vec<Departure>,
+}
+
+/// An endpoint address that a Service's EndpointSlices listed and list no more, under any
+/// condition (a terminating or not-ready endpoint is still listed: its connections drain),
+/// with one of the Service's TCP frontends. Idle sockets that socket LB sent from the
+/// frontend to that address are terminated (`sockterm`), after [`Pipeline::still_departed`]
+/// confirms it a moment later: an endpoint that moves from one slice to another can be
+/// missing from both for one flush.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Departure {
+    pub service: String,
+    pub frontend: Frontend,
+    pub addr: IpAddr,
 }
 
 pub struct Pipeline<M: LbMaps> {
@@ -63,6 +78,8 @@ pub struct Pipeline<M: LbMaps> {
     /// Services that wanted a frontend someone else owns; retried when it is released.
     contenders: HashMap<Frontend, BTreeSet<String>>,
     dirty: BTreeSet<String>,
+    /// Per Service, endpoint addresses of slices changed or deleted since the last flush.
+    unlisted: HashMap<String, BTreeSet<IpAddr>>,
     synced: bool,
     pruned: bool,
     resync: Option<(HashSet<String>, HashSet<String>)>,
@@ -124,6 +141,7 @@ impl<M: LbMaps> Pipeline<M> {
             owner: HashMap::new(),
             contenders: HashMap::new(),
             dirty: BTreeSet::new(),
+            unlisted: HashMap::new(),
             synced: false,
             pruned: false,
             resync: None,
@@ -294,6 +312,10 @@ impl<M: LbMaps> Pipeline<M> {
     fn remove_slice(&mut self, k: &str) {
         if let Some(old) = self.slices.remove(k) {
             if let Some(svc) = old.service_key() {
+                // Candidates for departure; the flush keeps those no slice lists any more.
+                if !old.endpoints.is_empty() {
+                    self.unlisted.entry(svc.clone()).or_default().extend(old.endpoints.iter().map(|e| e.addr));
+                }
                 if let Some(set) = self.slices_by_svc.get_mut(&svc) {
                     set.remove(k);
                     if set.is_empty() {
@@ -303,6 +325,16 @@ impl<M: LbMaps> Pipeline<M> {
                 self.dirty.insert(svc);
             }
         }
+    }
+
+    /// Whether any EndpointSlice of Service `key` has an endpoint at `addr`.
+    fn lists(&self, key: &str, addr: std::net::IpAddr) -> bool {
+        self.slices_by_svc.get(key).is_some_and(|names| names.iter().filter_map(|n| self.slices.get(n)).any(|s| s.endpoints.iter().any(|e| e.addr == addr)))
+    }
+
+    /// Whether `d` still holds now: the Service still lists its address nowhere.
+    pub fn still_departed(&self, d: &Departure) -> bool {
+        !self.lists(&d.service, d.addr)
     }
 
     /// Programs every Service touched since the last flush. Does nothing before the source's
@@ -531,6 +563,14 @@ impl<M: LbMaps> Pipeline<M> {
                         }
                     }
                     (Op::Delete(fe), Err(e)) => self.map_error(rep, key, &e, format!("deleting frontend {fe}")),
+                }
+            }
+            // Endpoints the Service lists no more: idle sockets of its TCP frontends to them go.
+            if let Some(candidates) = self.unlisted.remove(key) {
+                for addr in candidates.into_iter().filter(|a| !self.lists(key, *a)) {
+                    for fe in s.old.union(&now_owned).filter(|f| f.proto == Proto::Tcp) {
+                        rep.departed_tcp.push(Departure { service: key.into(), frontend: *fe, addr });
+                    }
                 }
             }
             if !now_owned.is_empty() {
@@ -834,6 +874,52 @@ mod tests {
         p.handle(SourceEvent::ServiceDeleted(Arc::new(udp("10.96.0.1", "dns"))));
         let r = p.flush();
         assert_eq!(r.stale_udp.len(), 2, "{:?}", r.stale_udp);
+    }
+
+    #[test]
+    fn tcp_backends_are_departed_only_once_no_slice_lists_them() {
+        let mut p = pipeline();
+        // Endpoints as (address, condition): "ready", "terminating" (serving, not ready).
+        let eps3 = |name: &str, eps: &[(&str, &str)]| {
+            let e: Vec<String> = eps
+                .iter()
+                .map(|(i, c)| match *c {
+                    "terminating" => format!("{{addresses: [{i}], conditions: {{ready: false, serving: true, terminating: true}}}}"),
+                    _ => format!("{{addresses: [{i}]}}"),
+                })
+                .collect();
+            slice(&format!("metadata: {{name: {name}, namespace: d, labels: {{kubernetes.io/service-name: a}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{}]", e.join(",")))
+        };
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web("10.96.0.1", "a"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps3("a-x", &[("10.0.0.1", "ready"), ("10.0.0.2", "ready"), ("10.0.0.3", "ready")]))));
+        p.handle(SourceEvent::Synced);
+        assert!(p.flush().departed_tcp.is_empty());
+        // Terminating: out of the selection, still listed: it drains, nothing departs.
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps3("a-x", &[("10.0.0.1", "terminating"), ("10.0.0.2", "ready"), ("10.0.0.3", "ready")]))));
+        let r = p.flush();
+        assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.2:8080", "10.0.0.3:8080"]);
+        assert!(r.departed_tcp.is_empty(), "{:?}", r.departed_tcp);
+        // Gone from every slice: departed.
+        let departed = |r: &FlushReport| -> Vec<String> { r.departed_tcp.iter().map(|d| format!("{} {} {}", d.service, d.frontend, d.addr)).collect() };
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps3("a-x", &[("10.0.0.2", "ready"), ("10.0.0.3", "ready")]))));
+        let r = p.flush();
+        assert_eq!(departed(&r), ["d/a 10.96.0.1:80/tcp 10.0.0.1"]);
+        assert!(p.still_departed(&r.departed_tcp[0]));
+        // An endpoint moving to another slice: missing from both for one flush, back in the next.
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps3("a-x", &[("10.0.0.2", "ready")]))));
+        let r = p.flush();
+        assert_eq!(departed(&r), ["d/a 10.96.0.1:80/tcp 10.0.0.3"]);
+        let d = r.departed_tcp[0].clone();
+        assert!(p.still_departed(&d));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps3("a-y", &[("10.0.0.3", "ready")]))));
+        assert!(p.flush().departed_tcp.is_empty(), "an address that arrives departs nothing");
+        assert!(!p.still_departed(&d), "back (through another slice) before the grace ended");
+        p.handle(SourceEvent::SliceDeleted(Arc::new(eps3("a-y", &[]))));
+        assert_eq!(departed(&p.flush()), ["d/a 10.96.0.1:80/tcp 10.0.0.3"], "a deleted slice's endpoints depart");
+        // A Service that goes away while its slices are still there: their endpoints are
+        // listed (pods alive, the Service deleted): nothing departs.
+        p.handle(SourceEvent::ServiceDeleted(Arc::new(web("10.96.0.1", "a"))));
+        assert!(p.flush().departed_tcp.is_empty());
     }
 
     #[test]

@@ -19,6 +19,7 @@ use crate::{
     listeners::ListenerWatch,
     mapfill::{Change, Fill, MapFills},
     metrics::{ErrorKind, Metrics},
+    model::{Backend, Frontend, Proto},
     pipeline::Pipeline,
     source::{self, SourceEvent},
     status,
@@ -118,6 +119,38 @@ pub struct RunArgs {
     /// --health-addr, --metrics-addr, --network, --network-kubeconfig, --kube-proxy-enabled.
     #[command(flatten)]
     pub status: status::StatusArgs,
+}
+
+/// How long a TCP backend must stay gone from its Service before idle sockets to it are
+/// terminated: an endpoint moving between EndpointSlices can be missing for one flush.
+const TCP_TERMINATION_GRACE: Duration = Duration::from_secs(2);
+
+/// Destroys socket LB's sockets of `proto` to `departed` backends (connected UDP, idle TCP)
+/// in every network namespace of the node, and reports what it did. Blocking.
+fn terminate_sockets(bpffs: &Path, proc_dir: &Path, proto: Proto, departed: &[(Frontend, Backend)], metrics: &Metrics) {
+    let what = match proto {
+        Proto::Udp => "connected UDP",
+        Proto::Tcp => "idle TCP",
+    };
+    match crate::sockterm::terminate(bpffs, proc_dir, proto, departed) {
+        Ok(t) => {
+            metrics.observe_socket_termination(&t);
+            if t.destroyed + t.failed + t.busy > 0 {
+                tracing::info!(
+                    "terminated {} {what} sockets to departed backends ({} failed, {} busy left alone, {} namespaces searched)",
+                    t.destroyed,
+                    t.failed,
+                    t.busy,
+                    t.namespaces
+                );
+            }
+            if let Some(why) = &t.first_skip {
+                tracing::warn!("socket termination: {} of {} network namespaces not searched, e.g. {why}", t.skipped_namespaces, t.namespaces);
+            }
+            tracing::debug!("socket termination: {t:?}");
+        }
+        Err(e) => tracing::warn!("terminating {what} sockets connected to departed backends: {e}"),
+    }
 }
 
 /// The cluster autoscaler's taint on a node it is about to remove.
@@ -350,6 +383,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     state.beat();
 
     let mut health_checks = crate::healthcheck::HealthCheckServers::default();
+    let mut departed_tcp: Vec<(Instant, crate::pipeline::Departure)> = Vec::new();
     let mut ready = false;
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
@@ -376,21 +410,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
                             Err(e) => tracing::warn!("removing UDP flows to departed backends: {e:#}"),
                         }
                         // Socket LB's connected UDP sockets (none when socket LB is off).
-                        match crate::sockterm::terminate(&bpffs, &proc_dir, &stale) {
-                            Ok(t) => {
-                                metrics.observe_socket_termination(&t);
-                                if t.destroyed + t.failed > 0 {
-                                    tracing::info!("terminated {} connected UDP sockets to departed backends ({} failed, {} namespaces searched)", t.destroyed, t.failed, t.namespaces);
-                                }
-                                if let Some(why) = &t.first_skip {
-                                    tracing::warn!("socket termination: {} of {} network namespaces not searched, e.g. {why}", t.skipped_namespaces, t.namespaces);
-                                }
-                                tracing::debug!("socket termination: {t:?}");
-                            }
-                            Err(e) => tracing::warn!("terminating UDP sockets connected to departed backends: {e}"),
-                        }
+                        terminate_sockets(&bpffs, &proc_dir, Proto::Udp, &stale, &metrics);
                     });
                 }
+                let due = Instant::now() + TCP_TERMINATION_GRACE;
+                departed_tcp.extend(rep.departed_tcp.iter().cloned().map(|d| (due, d)));
                 if let Some(ev) = problem_events.as_mut() {
                     ev.report(&rep.problems);
                 }
@@ -439,6 +463,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             _ = tick.tick() => {
                 state.beat();
+                // TCP backends that left their Service and stayed away for the grace period:
+                // idle sockets that socket LB sent there are terminated (see `sockterm`).
+                let now = Instant::now();
+                let (due, waiting): (Vec<_>, Vec<_>) = departed_tcp.drain(..).partition(|(t, _)| *t <= now);
+                departed_tcp = waiting;
+                // Port 0: any port of the address (see `sockterm::terminate`).
+                let gone: Vec<(Frontend, Backend)> =
+                    due.into_iter().filter(|(_, d)| pipeline.still_departed(d)).map(|(_, d)| (d.frontend, Backend::new(d.addr, 0))).collect();
+                if !gone.is_empty() {
+                    let (bpffs, proc_dir, metrics) = (args.bpffs.clone(), args.host_proc.clone(), metrics.clone());
+                    tokio::task::spawn_blocking(move || terminate_sockets(&bpffs, &proc_dir, Proto::Tcp, &gone, &metrics));
+                }
                 let orphans = pipeline.orphan_slices(Instant::now());
                 if !orphans.is_empty() {
                     metrics.observe_problems(&orphans);

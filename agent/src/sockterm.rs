@@ -1,26 +1,32 @@
-//! Terminating connected UDP sockets that socket LB pointed at a departed backend.
+//! Terminating sockets that socket LB pointed at a departed backend.
 //!
-//! Socket LB translates a connected UDP socket once, at `connect()`: from then on the socket
+//! Socket LB translates a connected socket once, at `connect()`: from then on the socket
 //! talks to the backend's address itself, and no map change moves it. A resolver that keeps
-//! its socket (glibc, musl, NGINX) would ask a deleted CoreDNS pod forever (cilium #27300).
-//! kube-proxy clears UDP conntrack entries of departed endpoints for the same reason; the
-//! socket-level equivalent is to destroy the socket, so the application sees an error and
-//! connects again (through socket LB, to a current backend), as resolvers do.
+//! its UDP socket (glibc, musl, NGINX) would ask a deleted CoreDNS pod forever (cilium
+//! #27300), and a pooled, idle TCP connection to a deleted pod only finds out when its next
+//! request times out. kube-proxy clears UDP conntrack entries of departed endpoints for the
+//! same reason; the socket-level equivalent is to destroy the socket, so the application sees
+//! an error and connects again (through socket LB, to a current backend), as resolvers and
+//! connection pools do.
+//!
+//! Which sockets:
+//! - **connected UDP** sockets, as soon as their backend leaves the frontend's backends;
+//! - **idle TCP** sockets (established, nothing unread, nothing unacknowledged) once their
+//!   backend's address is in none of the Service's EndpointSlices any more, under any
+//!   condition. A terminating or not-ready endpoint is still listed: its connections drain,
+//!   as with kube-proxy. A TCP socket with data queued is never cut: it ends by itself.
 //!
 //! How: `GN_SK_RNAT4/6` (written at `connect()`) map each translated socket's cookie to the
 //! backend it talks to and the frontend it asked for. The cookies of sockets translated to a
 //! departed (frontend, backend) pair are looked up in every network namespace on the node
 //! (pods' sockets live in theirs: found through `/proc/<pid>/ns/net`), with sock_diag; each
-//! connected UDP socket with one of those cookies and the backend as peer gets `SOCK_DESTROY`
-//! (kernel `CONFIG_INET_DIAG_DESTROY`; its `udp_abort` reports `ECONNABORTED` to the socket's
-//! next call and disconnects it).
+//! socket of the protocol with one of those cookies and the backend as peer gets
+//! `SOCK_DESTROY` (kernel `CONFIG_INET_DIAG_DESTROY`; `udp_abort`/`tcp_abort` report
+//! `ECONNABORTED` to the socket's next call; TCP also sends the peer a reset).
 //!
 //! The kernel also has `bpf_sock_destroy` (6.5) for socket iterators, which would avoid the
 //! per-namespace walk; it is a kfunc, and aya 0.14's loader does not relocate kfunc calls, so
 //! every kernel takes the sock_diag path here.
-//!
-//! Only UDP: a TCP connection to a backend that is leaving (terminating) may still be draining,
-//! and kube-proxy never cuts TCP either; a TCP peer that is gone ends the connection itself.
 use std::{
     collections::{HashMap, HashSet},
     fs::File,
@@ -46,8 +52,10 @@ pub enum TerminateError {
 }
 
 /// What one round of termination did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Terminated {
+    /// Which sockets were looked for: connected UDP or idle TCP.
+    pub proto: Proto,
     /// Socket LB translations to a departed pair (sockets that may still exist).
     pub candidates: usize,
     /// Network namespaces searched.
@@ -55,22 +63,26 @@ pub struct Terminated {
     pub destroyed: usize,
     /// Sockets found but not destroyed (e.g. a kernel without `CONFIG_INET_DIAG_DESTROY`).
     pub failed: usize,
+    /// TCP sockets to a departed backend with data queued: left to end by themselves.
+    pub busy: usize,
     /// Namespaces that could not be entered or queried (e.g. the process exited meanwhile).
     pub skipped_namespaces: usize,
     /// Why the first skipped namespace was skipped.
     pub first_skip: Option<String>,
 }
 
-/// Destroys the connected UDP sockets that socket LB translated to one of the `departed`
-/// (frontend, backend) pairs. `proc_dir` is the node's `/proc` (all its processes' network
-/// namespaces are searched). Blocking: run it off the agent's event loop.
-pub fn terminate(pin_dir: &Path, proc_dir: &Path, departed: &[(Frontend, Backend)]) -> Result<Terminated, TerminateError> {
+/// Destroys the sockets of `proto` (connected UDP, or idle TCP) that socket LB translated to
+/// one of the `departed` (frontend, backend) pairs; pairs of other protocols are ignored. A
+/// backend port 0 (never a real one) stands for any port of the backend's address.
+/// `proc_dir` is the node's `/proc` (all its processes' network namespaces are searched).
+/// Blocking: run it off the agent's event loop.
+pub fn terminate(pin_dir: &Path, proc_dir: &Path, proto: Proto, departed: &[(Frontend, Backend)]) -> Result<Terminated, TerminateError> {
     let pairs: HashSet<(SocketAddr, SocketAddr)> = departed
         .iter()
-        .filter(|(f, b)| f.proto == Proto::Udp && f.addr.is_ipv4() == b.addr.is_ipv4())
+        .filter(|(f, b)| f.proto == proto && f.addr.is_ipv4() == b.addr.is_ipv4())
         .map(|(f, b)| (SocketAddr::new(f.addr, f.port), SocketAddr::new(b.addr, b.port)))
         .collect();
-    let mut out = Terminated::default();
+    let mut out = Terminated { proto, candidates: 0, namespaces: 0, destroyed: 0, failed: 0, busy: 0, skipped_namespaces: 0, first_skip: None };
     if pairs.is_empty() {
         return Ok(out);
     }
@@ -81,10 +93,11 @@ pub fn terminate(pin_dir: &Path, proc_dir: &Path, departed: &[(Frontend, Backend
     }
     for ns in namespaces(proc_dir)? {
         out.namespaces += 1;
-        match destroy_in(&ns, &cookies) {
-            Ok((d, f)) => {
-                out.destroyed += d;
-                out.failed += f;
+        match destroy_in(&ns, proto, &cookies) {
+            Ok(c) => {
+                out.destroyed += c.destroyed;
+                out.failed += c.failed;
+                out.busy += c.busy;
             }
             Err(e) => {
                 tracing::debug!("socket termination: skipping {}: {e}", ns.display());
@@ -102,9 +115,9 @@ pub fn probe() -> io::Result<()> {
     let s = std::net::UdpSocket::bind("127.0.0.1:0")?;
     s.connect(s.local_addr()?)?;
     let cookies = HashMap::from([(cookie(&s)?, s.local_addr()?)]);
-    match destroy_in(Path::new("/proc/thread-self/ns/net"), &cookies)? {
-        (1, 0) => Ok(()),
-        (d, f) => Err(io::Error::other(format!("probe socket: {d} destroyed, {f} failed"))),
+    match destroy_in(Path::new("/proc/thread-self/ns/net"), Proto::Udp, &cookies)? {
+        Found { destroyed: 1, failed: 0, .. } => Ok(()),
+        c => Err(io::Error::other(format!("probe socket: {} destroyed, {} failed", c.destroyed, c.failed))),
     }
 }
 
@@ -164,7 +177,7 @@ fn collect<K: RevNatEntry>(pin_dir: &Path, pairs: &HashSet<(SocketAddr, SocketAd
     // Entries of closed sockets stay until the LRU evicts them; they simply match no socket.
     for (k, v) in map.iter().flatten() {
         let (cookie, backend, frontend) = k.parts(&v);
-        if pairs.contains(&(frontend, backend)) {
+        if pairs.contains(&(frontend, backend)) || pairs.contains(&(frontend, SocketAddr::new(backend.ip(), 0))) {
             out.insert(cookie, backend);
         }
     }
@@ -191,9 +204,17 @@ fn namespaces(proc_dir: &Path) -> Result<Vec<PathBuf>, TerminateError> {
     Ok(out)
 }
 
+/// What [`destroy_in`] found in one namespace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Found {
+    destroyed: usize,
+    failed: usize,
+    busy: usize,
+}
+
 /// Enters the namespace `ns` on a thread of its own (setns changes only the calling thread)
-/// and destroys the matching sockets there. Returns (destroyed, failed).
-fn destroy_in(ns: &Path, cookies: &HashMap<u64, SocketAddr>) -> io::Result<(usize, usize)> {
+/// and destroys the matching sockets of `proto` there.
+fn destroy_in(ns: &Path, proto: Proto, cookies: &HashMap<u64, SocketAddr>) -> io::Result<Found> {
     let file = File::open(ns)?;
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -202,29 +223,34 @@ fn destroy_in(ns: &Path, cookies: &HashMap<u64, SocketAddr>) -> io::Result<(usiz
                 return Err(io::Error::last_os_error());
             }
             let diag = diag::Socket::open()?;
-            let (mut destroyed, mut failed) = (0, 0);
+            let mut found = Found::default();
             for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
-                for sock in diag.connected_udp(family)? {
+                for sock in diag.established(proto, family)? {
                     if cookies.get(&sock.cookie) != Some(&sock.peer()) {
                         continue;
                     }
+                    // Data in flight either way: the connection is in use, not stale.
+                    if proto == Proto::Tcp && !sock.idle() {
+                        found.busy += 1;
+                        continue;
+                    }
                     match diag.destroy(&sock) {
-                        Ok(()) => destroyed += 1,
+                        Ok(()) => found.destroyed += 1,
                         Err(e) => {
-                            tracing::warn!("destroying UDP socket {} -> {}: {e}", sock.local(), sock.peer());
-                            failed += 1;
+                            tracing::warn!("destroying {proto:?} socket {} -> {}: {e}", sock.local(), sock.peer());
+                            found.failed += 1;
                         }
                     }
                 }
             }
-            Ok((destroyed, failed))
+            Ok(found)
         })
         .join()
         .unwrap_or_else(|_| Err(io::Error::other("socket termination thread panicked")))
     })
 }
 
-/// sock_diag (`NETLINK_SOCK_DIAG`): dumps of UDP sockets and `SOCK_DESTROY`
+/// sock_diag (`NETLINK_SOCK_DIAG`): dumps of UDP and TCP sockets and `SOCK_DESTROY`
 /// (linux/inet_diag.h, linux/sock_diag.h).
 mod diag {
     use super::*;
@@ -238,16 +264,24 @@ mod diag {
     const REQ: usize = 56;
     /// `struct inet_diag_sockid`.
     const ID: usize = 48;
-    /// `TCP_ESTABLISHED`: a connected UDP socket's state.
+    /// `TCP_ESTABLISHED`: an established TCP socket's state, and a connected UDP socket's.
     const ESTABLISHED: u32 = 1;
+    /// `struct inet_diag_msg` up to `idiag_wqueue` (family, state, timer, retrans, id,
+    /// expires, rqueue, wqueue).
+    const QUEUES: usize = 64;
 
     /// A socket as sock_diag reports it: its family and `inet_diag_sockid` (kept verbatim,
     /// `SOCK_DESTROY` finds the socket by it).
     #[derive(Clone, Debug, PartialEq, Eq)]
     pub struct Sock {
+        pub proto: Proto,
         pub family: u8,
         pub id: [u8; ID],
         pub cookie: u64,
+        /// TCP: bytes received and not read by the application; UDP: the receive queue.
+        pub rqueue: u32,
+        /// TCP: bytes sent and not acknowledged (or not sent yet); UDP: the send queue.
+        pub wqueue: u32,
     }
 
     impl Sock {
@@ -269,10 +303,14 @@ mod diag {
         pub fn peer(&self) -> SocketAddr {
             self.addr(20, 2)
         }
+        /// Nothing waits in either direction.
+        pub fn idle(&self) -> bool {
+            self.rqueue == 0 && self.wqueue == 0
+        }
     }
 
-    /// `nlmsghdr` + `inet_diag_req_v2` for UDP sockets of `family`.
-    pub fn request(kind: u16, flags: u16, family: u8, states: u32, id: &[u8; ID]) -> Vec<u8> {
+    /// `nlmsghdr` + `inet_diag_req_v2` for sockets of `proto` and `family`.
+    pub fn request(kind: u16, flags: u16, proto: Proto, family: u8, states: u32, id: &[u8; ID]) -> Vec<u8> {
         let len = (HDR + REQ) as u32;
         let mut m = Vec::with_capacity(HDR + REQ);
         m.extend_from_slice(&len.to_ne_bytes());
@@ -280,14 +318,18 @@ mod diag {
         m.extend_from_slice(&(libc::NLM_F_REQUEST as u16 | flags).to_ne_bytes());
         m.extend_from_slice(&1u32.to_ne_bytes()); // seq
         m.extend_from_slice(&0u32.to_ne_bytes()); // pid: the kernel
-        m.extend_from_slice(&[family, libc::IPPROTO_UDP as u8, 0, 0]);
+        let protocol = match proto {
+            Proto::Tcp => libc::IPPROTO_TCP,
+            Proto::Udp => libc::IPPROTO_UDP,
+        };
+        m.extend_from_slice(&[family, protocol as u8, 0, 0]);
         m.extend_from_slice(&states.to_ne_bytes());
         m.extend_from_slice(id);
         m
     }
 
     /// One reply datagram: its messages, `Ok(None)` at `NLMSG_DONE`, errors as errors.
-    pub fn parse(mut b: &[u8], out: &mut Vec<Sock>) -> io::Result<bool> {
+    pub fn parse(mut b: &[u8], proto: Proto, out: &mut Vec<Sock>) -> io::Result<bool> {
         while b.len() >= HDR {
             let len = u32::from_ne_bytes(b[0..4].try_into().expect("4")) as usize;
             let kind = u16::from_ne_bytes(b[4..6].try_into().expect("2"));
@@ -309,7 +351,9 @@ mod diag {
                     let id: [u8; ID] = body[4..4 + ID].try_into().expect("ID bytes");
                     let cookie = u64::from(u32::from_ne_bytes(id[40..44].try_into().expect("4")))
                         | u64::from(u32::from_ne_bytes(id[44..48].try_into().expect("4"))) << 32;
-                    out.push(Sock { family: body[0], id, cookie });
+                    let queue = |at: usize| body.get(at..at + 4).map_or(0, |q| u32::from_ne_bytes(q.try_into().expect("4")));
+                    let (rqueue, wqueue) = if body.len() >= QUEUES { (queue(QUEUES - 8), queue(QUEUES - 4)) } else { (0, 0) };
+                    out.push(Sock { proto, family: body[0], id, cookie, rqueue, wqueue });
                 }
                 _ => {}
             }
@@ -338,7 +382,7 @@ mod diag {
             Ok(s)
         }
 
-        fn exchange(&self, req: &[u8], out: &mut Vec<Sock>) -> io::Result<()> {
+        fn exchange(&self, req: &[u8], proto: Proto, out: &mut Vec<Sock>) -> io::Result<()> {
             // SAFETY: the buffer is valid for its length; the kernel's netlink address is the default.
             if unsafe { libc::send(self.0.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {
                 return Err(io::Error::last_os_error());
@@ -350,21 +394,22 @@ mod diag {
                 if n < 0 {
                     return Err(io::Error::last_os_error());
                 }
-                if parse(&buf[..n as usize], out)? {
+                if parse(&buf[..n as usize], proto, out)? {
                     return Ok(());
                 }
             }
         }
 
-        /// The connected UDP sockets of `family` in this thread's network namespace.
-        pub fn connected_udp(&self, family: u8) -> io::Result<Vec<Sock>> {
+        /// The established TCP (or connected UDP) sockets of `family` in this thread's
+        /// network namespace.
+        pub fn established(&self, proto: Proto, family: u8) -> io::Result<Vec<Sock>> {
             let mut out = Vec::new();
-            self.exchange(&request(SOCK_DIAG_BY_FAMILY, libc::NLM_F_DUMP as u16, family, 1 << ESTABLISHED, &[0; ID]), &mut out)?;
+            self.exchange(&request(SOCK_DIAG_BY_FAMILY, libc::NLM_F_DUMP as u16, proto, family, 1 << ESTABLISHED, &[0; ID]), proto, &mut out)?;
             Ok(out)
         }
 
         pub fn destroy(&self, s: &Sock) -> io::Result<()> {
-            self.exchange(&request(SOCK_DESTROY, libc::NLM_F_ACK as u16, s.family, u32::MAX, &s.id), &mut Vec::new())
+            self.exchange(&request(SOCK_DESTROY, libc::NLM_F_ACK as u16, s.proto, s.family, u32::MAX, &s.id), s.proto, &mut Vec::new())
         }
     }
 }
@@ -391,19 +436,22 @@ mod tests {
         msg.extend_from_slice(&[0; 10]);
         msg.extend_from_slice(&[libc::AF_INET as u8, 1, 0, 0]);
         msg.extend_from_slice(&id);
-        msg.extend_from_slice(&[0; 72 - 52 + 8]);
+        msg.extend_from_slice(&[0; 4]); // expires
+        msg.extend_from_slice(&5u32.to_ne_bytes()); // rqueue
+        msg.extend_from_slice(&[0; 72 - 60 + 8]);
         let mut done = 20u32.to_ne_bytes().to_vec();
         done.extend_from_slice(&3u16.to_ne_bytes());
         done.extend_from_slice(&[0; 14]);
         msg.extend_from_slice(&done);
         let mut out = Vec::new();
-        assert!(diag::parse(&msg, &mut out).unwrap(), "NLMSG_DONE ends the dump");
+        assert!(diag::parse(&msg, Proto::Udp, &mut out).unwrap(), "NLMSG_DONE ends the dump");
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].cookie, 7 | 1 << 32);
         assert_eq!(out[0].local(), "10.0.0.9:5353".parse().unwrap());
         assert_eq!(out[0].peer(), "10.1.0.2:53".parse().unwrap());
+        assert_eq!((out[0].rqueue, out[0].wqueue, out[0].idle()), (5, 0, false));
         // Truncated input is an error, not a panic.
-        assert!(diag::parse(&msg[..40], &mut Vec::new()).is_err());
+        assert!(diag::parse(&msg[..40], Proto::Udp, &mut Vec::new()).is_err());
     }
 
     #[test]
@@ -413,7 +461,7 @@ mod tests {
         m.extend_from_slice(&[0; 10]);
         m.extend_from_slice(&(-libc::EOPNOTSUPP).to_ne_bytes());
         m.extend_from_slice(&[0; 16]);
-        let e = diag::parse(&m, &mut Vec::new()).unwrap_err();
+        let e = diag::parse(&m, Proto::Udp, &mut Vec::new()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EOPNOTSUPP));
     }
 
@@ -429,12 +477,49 @@ mod tests {
         kill.connect(SocketAddr::new(Ipv4Addr::LOCALHOST.to_ipv6_mapped().into(), to.port())).unwrap();
         let cookies = HashMap::from([(cookie(&kill).unwrap(), to), (cookie(&keep).unwrap(), "127.0.0.1:1".parse().unwrap())]);
         let ns = PathBuf::from(format!("/proc/{}/ns/net", std::process::id()));
-        assert_eq!(destroy_in(&ns, &cookies).unwrap(), (1, 0), "only the cookie whose peer matches");
+        assert_eq!(destroy_in(&ns, Proto::Udp, &cookies).unwrap(), Found { destroyed: 1, ..Found::default() }, "only the cookie whose peer matches");
         kill.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let e = kill.recv(&mut [0; 16]).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ECONNABORTED), "{e}");
         keep.send(b"x").unwrap();
         assert_eq!(server.recv(&mut [0; 16]).unwrap(), 1, "the other socket still works");
+    }
+
+    /// Needs CAP_NET_ADMIN: of two TCP connections to one peer, both socket LB's, the idle one
+    /// is destroyed (its owner sees ECONNABORTED, the peer a reset) and the one with unread
+    /// data is left alone.
+    #[test]
+    fn destroys_idle_tcp_sockets_and_leaves_busy_ones() {
+        use std::io::{Read, Write};
+        let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let to = server.local_addr().unwrap();
+        let idle = std::net::TcpStream::connect(to).unwrap();
+        let (mut idle_peer, _) = server.accept().unwrap();
+        let mut busy = std::net::TcpStream::connect(to).unwrap();
+        let (mut busy_peer, _) = server.accept().unwrap();
+        busy_peer.write_all(b"unread").unwrap();
+        let cookies = HashMap::from([(cookie(&idle).unwrap(), to), (cookie(&busy).unwrap(), to)]);
+        let ns = PathBuf::from(format!("/proc/{}/ns/net", std::process::id()));
+        // The bytes reach the busy socket's receive queue over loopback at once; wait for them
+        // anyway rather than race (bounded).
+        for _ in 0..100 {
+            let mut b = [0u8; 6];
+            if busy.peek(&mut b).unwrap_or(0) == 6 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(destroy_in(&ns, Proto::Tcp, &cookies).unwrap(), Found { destroyed: 1, failed: 0, busy: 1 });
+        let e = (&idle).write_all(b"PING\n").unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ECONNABORTED), "{e}");
+        idle_peer.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let reset = idle_peer.read(&mut [0; 8]);
+        assert!(matches!(&reset, Ok(0)) || reset.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset), "peer saw {reset:?}");
+        let mut got = [0u8; 6];
+        busy.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"unread");
+        busy.write_all(b"x").unwrap();
+        assert_eq!(busy_peer.read(&mut [0; 8]).unwrap(), 1, "the busy connection still works");
     }
 
     #[test]

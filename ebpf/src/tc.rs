@@ -14,7 +14,10 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{select_backend_affine, select_backend_affine6, service_net, source_allowed, source_allowed6, stat, GN_CT4, GN_CT6, GN_SVC4, GN_SVC6};
+use crate::{
+    family::{Family, V4, V6},
+    select_backend_affine, service_net, stat, GN_CT4, GN_CT6, GN_SVC4, GN_SVC6,
+};
 
 /// "Not ours, carry on": lets later tcx programs / tc filters run (TCX_NEXT / TC_ACT_UNSPEC).
 const PASS: i32 = -1;
@@ -238,11 +241,11 @@ fn ingress(ctx: &TcContext, f: &Flow) -> Option<i32> {
         }
         return None;
     };
-    if master.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(&skey, f.saddr) {
+    if master.flags & SVC_FLAG_SOURCE_RANGES != 0 && !V4::source_allowed(&skey, f.saddr) {
         stat(Stat::TcSourceRangeDrop);
         return Some(DROP);
     }
-    let Some((_, be)) = select_backend_affine(&skey, master, f.saddr as u64, AFF_CLIENT_ADDR) else {
+    let Some((_, be)) = select_backend_affine::<V4>(&skey, master, V4::addr_client(f.saddr), AFF_CLIENT_ADDR) else {
         if master.count == 0 {
             if master.flags & SVC_FLAG_DROP != 0 {
                 // Endpoints exist, none for traffic arriving here: drop, as kube-proxy does.
@@ -935,11 +938,11 @@ fn ingress6(ctx: &TcContext, f: &Flow6) -> Option<i32> {
         }
         return None;
     };
-    if master.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed6(&skey, f.saddr) {
+    if master.flags & SVC_FLAG_SOURCE_RANGES != 0 && !V6::source_allowed(&skey, f.saddr) {
         stat(Stat::TcSourceRangeDrop);
         return Some(DROP);
     }
-    let Some((_, be)) = select_backend_affine6(&skey, master, f.saddr, AFF_CLIENT_ADDR) else {
+    let Some((_, be)) = select_backend_affine::<V6>(&skey, master, V6::addr_client(f.saddr), AFF_CLIENT_ADDR) else {
         if master.count == 0 {
             if master.flags & SVC_FLAG_DROP != 0 {
                 // Endpoints exist, none for traffic arriving here: drop, as kube-proxy does.

@@ -18,7 +18,10 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use crate::{stat, GN_SVC4, GN_SVC6};
+use crate::{
+    family::{Family, V4, V6},
+    stat,
+};
 
 const ETH_HLEN: usize = 14;
 
@@ -45,6 +48,9 @@ fn at<T: Copy>(p: &Pkt, off: usize) -> Option<T> {
     Some(unsafe { core::ptr::read_unaligned((p.start + off) as *const T) })
 }
 
+/// Reads the IP header (IPv4 here, IPv6 in `check6`) and hands its addresses and where L4
+/// starts to `verdict`; `None` for anything this program leaves alone (not IP, fragments,
+/// other protocols, IPv6 extension headers).
 #[inline(always)]
 fn check(ctx: &Pkt) -> Option<u32> {
     match u16::from_be(at::<u16>(ctx, 12)?) {
@@ -61,12 +67,30 @@ fn check(ctx: &Pkt) -> Option<u32> {
         return None; // fragments: leave to the stack
     }
     let proto: u8 = at(ctx, ETH_HLEN + 9)?;
+    let saddr: u32 = at(ctx, ETH_HLEN + 12)?;
+    let daddr: u32 = at(ctx, ETH_HLEN + 16)?;
+    verdict::<V4>(ctx, proto, saddr, daddr, ETH_HLEN + (ihl & 0x3c))
+}
+
+#[inline(always)]
+fn check6(ctx: &Pkt) -> Option<u32> {
+    let v: u8 = at(ctx, ETH_HLEN)?;
+    if v >> 4 != 6 {
+        return None;
+    }
+    let proto: u8 = at(ctx, ETH_HLEN + 6)?;
+    let saddr: Ip6 = at(ctx, ETH_HLEN + 8)?;
+    let daddr: Ip6 = at(ctx, ETH_HLEN + 24)?;
+    verdict::<V6>(ctx, proto, saddr, daddr, ETH_HLEN + 40)
+}
+
+/// Drops TCP/UDP traffic at offset `l4` to a frontend without backends, unless it is a fresh
+/// SYN (TC answers it) or a local socket owns the destination.
+#[inline(always)]
+fn verdict<F: Family>(ctx: &Pkt, proto: u8, saddr: F::Addr, daddr: F::Addr, l4: usize) -> Option<u32> {
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let saddr: u32 = at(ctx, ETH_HLEN + 12)?;
-    let daddr: u32 = at(ctx, ETH_HLEN + 16)?;
-    let l4 = ETH_HLEN + (ihl & 0x3c);
     let base = ctx.start + l4;
     if base + 4 > ctx.end {
         return None;
@@ -74,7 +98,7 @@ fn check(ctx: &Pkt) -> Option<u32> {
     // SAFETY: [base, base + 4) checked just above; the verifier carries the proven range only
     // along constant offsets from the pointer that was checked, hence one base.
     let (sport, dport) = unsafe { (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16)) };
-    let master = unsafe { GN_SVC4.get(&ServiceKey4::master(daddr, dport, proto)) }?;
+    let master = F::service(&F::master_key(daddr, dport, proto))?;
     if master.count != 0 {
         return None; // served by TC LB (the NodePort fast path in XDP is future work)
     }
@@ -90,14 +114,8 @@ fn check(ctx: &Pkt) -> Option<u32> {
     }
     // No backends. A socket on this node may still own the address and port.
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    unsafe {
-        let v4 = &mut tuple.__bindgen_anon_1.ipv4;
-        v4.saddr = saddr;
-        v4.daddr = daddr;
-        v4.sport = sport;
-        v4.dport = dport;
-    }
-    Some(drop_unless_listener(ctx, &mut tuple, 12, proto)) // 12: sizeof(tuple.ipv4)
+    let size = F::sock_tuple(&mut tuple, (saddr, sport), (daddr, dport));
+    Some(drop_unless_listener(ctx, &mut tuple, size, proto))
 }
 
 /// The verdict for traffic to a frontend without backends: pass it if a socket on this node
@@ -118,48 +136,4 @@ fn drop_unless_listener(ctx: &Pkt, tuple: &mut bpf_sock_tuple, size: u32, proto:
     }
     stat(Stat::XdpDropNoBackend);
     XDP_DROP
-}
-
-/// IPv6 twin of `check`.
-#[inline(always)]
-fn check6(ctx: &Pkt) -> Option<u32> {
-    let v: u8 = at(ctx, ETH_HLEN)?;
-    if v >> 4 != 6 {
-        return None;
-    }
-    let proto: u8 = at(ctx, ETH_HLEN + 6)?;
-    if proto != PROTO_TCP && proto != PROTO_UDP {
-        return None;
-    }
-    let saddr: Ip6 = at(ctx, ETH_HLEN + 8)?;
-    let daddr: Ip6 = at(ctx, ETH_HLEN + 24)?;
-    let base = ctx.start + ETH_HLEN + 40;
-    if base + 4 > ctx.end {
-        return None;
-    }
-    // SAFETY: [base, base + 4) checked just above (one base pointer, constant offsets).
-    let (sport, dport) = unsafe { (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16)) };
-    let master = unsafe { GN_SVC6.get(&ServiceKey6::master(daddr, dport, proto)) }?;
-    if master.count != 0 {
-        return None;
-    }
-    if proto == PROTO_TCP {
-        if base + 14 > ctx.end {
-            return None;
-        }
-        // SAFETY: checked just above (same base pointer).
-        let flags: u8 = unsafe { core::ptr::read_unaligned((base + 13) as *const u8) };
-        if flags & 0x12 == 0x02 {
-            return None; // a fresh SYN: TC answers it with a RST
-        }
-    }
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    unsafe {
-        let v6 = &mut tuple.__bindgen_anon_1.ipv6;
-        v6.saddr = saddr;
-        v6.daddr = daddr;
-        v6.sport = sport;
-        v6.dport = dport;
-    }
-    Some(drop_unless_listener(ctx, &mut tuple, 36, proto)) // 36: sizeof(tuple.ipv6)
 }

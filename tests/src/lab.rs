@@ -15,7 +15,7 @@
 //! node), with fd00:18::/64 client-node, fd00:18:1::/64 pods (gateway ::1 on br0, backend i
 //! at ::(10+i)), fd00:18:2::/64 node-node2, and service VIPs in fd00:19::/64.
 use std::{
-    io::{BufRead, BufReader},
+    io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::{mpsc, Arc, Mutex},
@@ -291,6 +291,9 @@ pub struct AgentOpts {
     /// Leave the pinned links in place when the agent stops (as in an upgrade); by default the
     /// agent runs with `--detach-on-exit`.
     pub keep_links: bool,
+    /// Listen where the agent does by default (as the DaemonSet runs it) instead of on
+    /// 127.0.0.1, port 0.
+    pub default_listen: bool,
     pub extra: Vec<String>,
 }
 
@@ -334,6 +337,31 @@ impl Agent {
         Ok(a)
     }
 
+    /// The agent process's sockets that listen (TCP) or are bound (UDP), from its fds and its
+    /// network namespace's `/proc/<pid>/net/{tcp,tcp6,udp,udp6}`: ("tcp"|"udp", address).
+    pub fn listening(&self) -> Result<std::collections::BTreeSet<(&'static str, std::net::SocketAddr)>> {
+        let pid = self.proc.as_ref().context("agent not running")?.child.id();
+        let inodes: std::collections::HashSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))?
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok())
+            .collect();
+        let mut out = std::collections::BTreeSet::new();
+        for (file, proto) in [("tcp", "tcp"), ("tcp6", "tcp"), ("udp", "udp"), ("udp6", "udp")] {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/net/{file}"))?;
+            for line in text.lines().skip(1) {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let (Some(local), Some(state), Some(inode)) = (f.get(1), f.get(3), f.get(9).and_then(|i| i.parse::<u64>().ok())) else { continue };
+                // TCP: LISTEN (0A) only; UDP: every bound socket (unconnected is 07).
+                if !inodes.contains(&inode) || (proto == "tcp" && *state != "0A") {
+                    continue;
+                }
+                out.insert((proto, proc_net_addr(local).with_context(|| format!("/proc/net/{file}: {local}"))?));
+            }
+        }
+        Ok(out)
+    }
+
     fn launch(&mut self, ns: &Netns, cgroup: Option<&TestCgroup>, reset: bool) -> Result<()> {
         let ready = self.spawn(ns, cgroup, reset)?;
         if ready.recv_timeout(self.ready_timeout).is_err() {
@@ -363,7 +391,9 @@ impl Agent {
             cmd.arg("--tc-interface=nc0,nn0");
         }
         // Each test agent has its own namespace; keep the endpoints off fixed ports anyway.
-        cmd.args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "127.0.0.1:0"]);
+        if !self.opts.default_listen {
+            cmd.args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "127.0.0.1:0"]);
+        }
         if !self.opts.keep_links {
             cmd.arg("--detach-on-exit");
         }
@@ -587,6 +617,98 @@ pub fn assert_connected_udp_leaves_departed_backend(lab: &Lab, agent: &Agent, to
     assert!(lost.len() <= 2, "lost queries at {lost:?} (be1 left at {left})");
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("terminated 1 connected UDP sockets to departed backends (0 failed"), "{log}");
+}
+
+/// `ADDR:PORT` as `/proc/net/tcp*` prints it: the address as 32-bit words in hex, each the
+/// kernel's in-memory (network-order) bytes read as a native integer.
+fn proc_net_addr(s: &str) -> Option<std::net::SocketAddr> {
+    let (a, p) = s.split_once(':')?;
+    let port = u16::from_str_radix(p, 16).ok()?;
+    let words: Vec<u32> = (0..a.len() / 8).map(|i| u32::from_str_radix(&a[i * 8..i * 8 + 8], 16)).collect::<Result<_, _>>().ok()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let ip: std::net::IpAddr = match bytes.len() {
+        4 => std::net::Ipv4Addr::from(<[u8; 4]>::try_from(bytes).ok()?).into(),
+        16 => std::net::Ipv6Addr::from(<[u8; 16]>::try_from(bytes).ok()?).into(),
+        _ => return None,
+    };
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
+/// Waits (bounded) until the agent's log has a line containing `needle`; returns that line.
+pub fn wait_log(agent: &Agent, needle: &str, limit: Duration) -> Result<String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(l) = agent.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+            return Ok(l.clone());
+        }
+        if Instant::now() > deadline {
+            bail!("no log line with {needle:?} within {limit:?}; log:\n{}", agent.log.lock().unwrap().join("\n"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// An EndpointSlice YAML (as `slice_yaml`/`slice_yaml6` write it) with the endpoint at `ip`
+/// terminating: not ready, still serving (a pod in its grace period).
+pub fn terminating(slice_yaml: &str, ip: &str) -> String {
+    let (plain, quoted) = (format!("addresses: [{ip}]\n    conditions: {{ready: true}}"), format!("addresses: [\"{ip}\"]\n    conditions: {{ready: true}}"));
+    let cond = "conditions: {ready: false, serving: true, terminating: true}";
+    let out = slice_yaml.replace(&plain, &format!("addresses: [{ip}]\n    {cond}")).replace(&quoted, &format!("addresses: [\"{ip}\"]\n    {cond}"));
+    assert_ne!(out, slice_yaml, "no endpoint {ip} in {slice_yaml}");
+    out
+}
+
+/// Idle TCP connections that socket LB sent to a backend are terminated once the backend is in
+/// none of the Service's EndpointSlices (not while it is only terminating: those drain), and
+/// busy ones (unread data) are left alone. 60 connections over be1..be3, every second one busy.
+/// `slice(b)` writes the slice with backends `b`; `ip1` is be1's address.
+pub fn assert_idle_tcp_leaves_departed_backend(lab: &Lab, agent: &Agent, to: &str, file: &str, ip1: &str, slice: impl Fn(&[usize]) -> String) {
+    let tcp = format!("{to}/tcp");
+    let mut hold = lab
+        .client_cmd(true, &["hold", "--to", to, "--conns", "60", "--busy-every", "2"])
+        .unwrap()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(hold.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let before: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    let names: Vec<String> = before["names"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_owned()).collect();
+    let busy: Vec<bool> = before["busy"].as_array().unwrap().iter().map(|b| b.as_bool().unwrap()).collect();
+    let on_be1 = |want_busy: bool| names.iter().zip(&busy).filter(|(n, b)| *n == "be1" && **b == want_busy).count();
+    let (idle1, busy1) = (on_be1(false), on_be1(true));
+    assert!(idle1 > 0 && busy1 > 0, "socket LB spread 60 connections over three backends: {before}");
+
+    // be1 terminating: out of the selection, but its connections drain.
+    agent.write(file, &terminating(&slice(&[0, 1, 2]), ip1)).unwrap();
+    agent.wait_backends(&tcp, 2).unwrap();
+    // Longer than the agent's grace period (2 s) plus a tick: nothing may be terminated.
+    std::thread::sleep(Duration::from_millis(3500));
+    assert!(!agent.log.lock().unwrap().iter().any(|l| l.contains("idle TCP sockets")), "a terminating backend's connections drain");
+
+    // be1 gone from the slice.
+    let t0 = Instant::now();
+    agent.write(file, &slice(&[1, 2])).unwrap();
+    agent.wait_backends(&tcp, 2).unwrap();
+    let done = wait_log(agent, "idle TCP sockets", Duration::from_secs(60)).unwrap();
+    eprintln!("socket LB TCP to {to}: {idle1} idle and {busy1} busy connections on be1; after it left the slice: {done:?} at +{} ms", t0.elapsed().as_millis());
+    assert!(done.contains(&format!("terminated {idle1} idle TCP sockets to departed backends (0 failed, {busy1} busy left alone")), "{done}");
+
+    hold.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    let after: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    let _ = hold.wait();
+    for (i, (n, b)) in names.iter().zip(&busy).enumerate() {
+        let (a, e) = (after["after"][i].as_str().unwrap(), after["errors"][i].as_str().unwrap());
+        if n == "be1" && !b {
+            assert_eq!((a, e), ("", "ConnectionAborted"), "idle connection {i} to be1 must be terminated: {after}");
+        } else {
+            assert_eq!(a, n, "connection {i} to {n} (busy: {b}) must work on: {after}");
+        }
+    }
 }
 
 /// How `connect()` to a frontend without backends fails on this kernel: ECONNREFUSED, but

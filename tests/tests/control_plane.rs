@@ -295,3 +295,39 @@ fn load_balancer_source_ranges_admit_only_their_clients() {
     assert!(listed.as_array().unwrap().iter().all(|f| f.get("source_ranges").is_none()), "{listed}");
     agent.stop();
 }
+
+/// The agent's HTTP endpoints listen where the DaemonSet says (its `ports`, on the node's
+/// addresses: the agent runs with hostNetwork and the defaults, as deploy/daemonset.yaml passes
+/// no address flags) and nowhere else: no other listening TCP socket, no bound UDP socket.
+#[test]
+fn endpoints_listen_where_the_daemonset_says_and_nowhere_else() {
+    let _g = serial();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/daemonset.yaml")).unwrap();
+    let mut declared = std::collections::BTreeSet::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v = <serde_yaml::Value as serde::Deserialize>::deserialize(doc).unwrap();
+        if v["kind"] != "DaemonSet" {
+            continue;
+        }
+        for c in v["spec"]["template"]["spec"]["containers"].as_sequence().unwrap() {
+            let args: Vec<&str> = c["args"].as_sequence().into_iter().flatten().filter_map(|a| a.as_str()).collect();
+            for flag in ["--health-addr", "--metrics-addr", "--proxy-healthz-addr"] {
+                assert!(!args.iter().any(|a| a.starts_with(flag)), "the DaemonSet passes {flag}: use it here too");
+            }
+            for p in c["ports"].as_sequence().into_iter().flatten() {
+                let proto = p["protocol"].as_str().unwrap_or("TCP").to_lowercase();
+                declared.insert((proto, p["containerPort"].as_u64().unwrap() as u16));
+            }
+        }
+    }
+    assert_eq!(declared.len(), 3, "health, metrics, kube-proxy's health check: {declared:?}");
+
+    let lab = Lab::new(3).unwrap();
+    let agent = Agent::start(&lab, AgentOpts { socket_lb: true, tc: true, default_listen: true, ..Default::default() }, &web()).unwrap();
+    agent.wait_backends(&format!("{VIP}:80/tcp"), 3).unwrap();
+    let listening = agent.listening().unwrap();
+    eprintln!("agent sockets: {listening:?}");
+    let got: std::collections::BTreeSet<(String, u16)> = listening.iter().map(|(p, a)| (p.to_string(), a.port())).collect();
+    assert_eq!(got, declared, "{listening:?}");
+    assert!(listening.iter().all(|(_, a)| a.ip().is_unspecified()), "hostNetwork: every node address, as the DaemonSet's ports say: {listening:?}");
+}

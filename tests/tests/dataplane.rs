@@ -7,8 +7,8 @@ use std::{
 };
 
 use gardenet_tests::lab::{
-    assert_connected_udp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts, refusal_outcome, service_yaml, slice_yaml,
-    Agent, AgentOpts, Lab, SERVER_PORT,
+    assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts,
+    refusal_outcome, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
 };
 
 /// One lab at a time: tests share the machine's two cores and keep timings sane.
@@ -235,6 +235,15 @@ fn connected_udp_sockets_leave_a_departed_backend_socket_lb() {
     assert_connected_udp_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", |b| slice_yaml("web", b, &["TCP", "UDP"]));
 }
 
+/// Idle TCP connections through socket LB leave a backend that is gone from the Service; busy
+/// ones and those to a terminating backend stay (see `assert_idle_tcp_leaves_departed_backend`).
+#[test]
+fn idle_tcp_sockets_leave_a_backend_gone_from_the_service_socket_lb() {
+    let _g = serial();
+    let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    assert_idle_tcp_leaves_departed_backend(&lab, &agent, &vip(), "eps.yaml", &backend_ip(0), |b| slice_yaml("web", b, &["TCP", "UDP"]));
+}
+
 /// `lb list`'s IPv4 conntrack line: (entries, percent full).
 fn conntrack_fill(agent: &Agent) -> (usize, usize) {
     let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
@@ -326,7 +335,7 @@ fn release(mut p: std::process::Child, mut out: BufReader<std::process::ChildStd
 #[test]
 fn an_upgrade_onto_maps_of_another_size_keeps_established_connections() {
     let _g = serial();
-    let opts = AgentOpts { socket_lb: true, tc: true, keep_links: true, extra: vec!["--map-conntrack=4096".into()] };
+    let opts = AgentOpts { socket_lb: true, tc: true, keep_links: true, extra: vec!["--map-conntrack=4096".into()], ..Default::default() };
     let (lab, mut agent) = setup(opts, &[0, 1, 2]);
     let (tc_p, tc_out, tc_before) = hold(&lab, false, 12);
     let (sock_p, sock_out, sock_before) = hold(&lab, true, 12);

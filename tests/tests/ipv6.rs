@@ -4,8 +4,8 @@
 use std::sync::{Mutex, MutexGuard};
 
 use gardenet_tests::lab::{
-    assert_connected_udp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip6, counts, node_yaml_dual, refusal_outcome,
-    service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
+    assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip6, counts,
+    node_yaml_dual, refusal_outcome, service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
 };
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -255,4 +255,12 @@ fn connected_udp_v6_sockets_leave_a_departed_backend_socket_lb() {
     let _g = serial();
     let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0]);
     assert_connected_udp_leaves_departed_backend(&lab, &agent, &vip6(), "eps6.yaml", |b| slice_yaml6("web", b, &["TCP", "UDP"]));
+}
+
+/// The dataplane test's idle TCP connections, over IPv6.
+#[test]
+fn idle_tcp_v6_sockets_leave_a_backend_gone_from_the_service_socket_lb() {
+    let _g = serial();
+    let (lab, agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
+    assert_idle_tcp_leaves_departed_backend(&lab, &agent, &vip6(), "eps6.yaml", &backend_ip6(0), |b| slice_yaml6("web", b, &["TCP", "UDP"]));
 }

@@ -147,12 +147,17 @@ enum Cmd {
         max_seconds: u64,
     },
     /// Opens CONNS connections, prints their backends, waits for a line on stdin, then checks
-    /// that each connection still works and prints the result.
+    /// that each connection still works and prints the result (`after`: the backend that
+    /// answered, or ""; `errors`: the first error of each, or "").
     Hold {
         #[arg(long)]
         to: SocketAddr,
         #[arg(long)]
         conns: u32,
+        /// Every N-th connection (the 2nd, 4th, ... for 2) is kept busy: it asks for 1,000
+        /// bytes and leaves them unread until the check, so its receive queue is not empty.
+        #[arg(long)]
+        busy_every: Option<u32>,
     },
 }
 
@@ -174,7 +179,7 @@ fn main() -> Result<()> {
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
         Cmd::Bulk { to, bytes, pace_ms, download } => bulk(to, bytes.min(1 << 30), pace_ms, download.unwrap_or(bytes).min(1 << 30)),
-        Cmd::Hold { to, conns } => hold(to, conns.min(1000)),
+        Cmd::Hold { to, conns, busy_every } => hold(to, conns.min(1000), busy_every.filter(|n| *n > 0)),
         Cmd::HttpGet { to, path } => http_get(to, &path),
         Cmd::Stream { to, seconds } => stream(to, seconds.clamp(0.1, 60.0)),
         Cmd::Soak { to, from, streams, chunk, pace_ms, interval_ms, timeout_ms, max_seconds } => soak(
@@ -603,10 +608,12 @@ fn bulk(to: SocketAddr, bytes: u64, pace_ms: u64, download: u64) -> Result<()> {
     Ok(())
 }
 
-fn hold(to: SocketAddr, conns: u32) -> Result<()> {
+fn hold(to: SocketAddr, conns: u32, busy_every: Option<u32>) -> Result<()> {
+    const UNREAD: usize = 1000;
     let mut socks = Vec::new();
     let mut names = Vec::new();
-    for _ in 0..conns {
+    let mut busy = Vec::new();
+    for i in 0..conns {
         let s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).context("connect")?;
         s.set_read_timeout(Some(Duration::from_secs(3)))?;
         (&s).write_all(b"PING\n")?;
@@ -614,19 +621,38 @@ fn hold(to: SocketAddr, conns: u32) -> Result<()> {
         let mut line = String::new();
         r.read_line(&mut line)?;
         names.push(line.trim().to_owned());
+        let b = busy_every.is_some_and(|n| (i + 1) % n == 0);
+        if b {
+            (&s).write_all(format!("SOURCE {UNREAD}\n").as_bytes())?;
+        }
+        busy.push(b);
         socks.push((s, r));
     }
-    println!("{}", json!({"names": names}));
+    println!("{}", json!({"names": names, "busy": busy}));
     std::io::stdout().flush()?;
     let mut go = String::new();
     std::io::stdin().read_line(&mut go)?;
     let mut after = Vec::new();
-    for (s, r) in socks.iter_mut() {
+    let mut errors = Vec::new();
+    for ((s, r), b) in socks.iter_mut().zip(&busy) {
         let mut line = String::new();
-        let ok = (&*s).write_all(b"PING\n").and_then(|_| r.read_line(&mut line)).is_ok();
-        after.push(if ok && !line.trim().is_empty() { line.trim().to_owned() } else { String::new() });
+        let mut check = || -> std::io::Result<()> {
+            if *b {
+                // The answer to SOURCE, read only now.
+                r.read_line(&mut line)?;
+                let mut rest = [0u8; UNREAD];
+                r.read_exact(&mut rest)?;
+                line.clear();
+            }
+            (&*s).write_all(b"PING\n")?;
+            r.read_line(&mut line)?;
+            Ok(())
+        };
+        let res = check();
+        errors.push(res.as_ref().err().map(err_kind).unwrap_or_default());
+        after.push(if res.is_ok() && !line.trim().is_empty() { line.trim().to_owned() } else { String::new() });
     }
-    println!("{}", json!({"names": names, "after": after}));
+    println!("{}", json!({"names": names, "busy": busy, "after": after, "errors": errors}));
     Ok(())
 }
 
