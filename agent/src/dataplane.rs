@@ -3,6 +3,7 @@
 use std::{
     collections::HashSet,
     fs,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -19,7 +20,7 @@ use gardenet_common::*;
 
 use crate::{
     features::KernelFeatures,
-    lbmap::{LbMaps, MapDump, MapError, RangeKey, ServiceNet},
+    lbmap::{one_by_one, Batch, BatchError, LbMaps, MapDump, MapError, RangeKey, ServiceNet},
     model::Cidr,
     pinned_link::{self, AttachType, Attached, Target},
 };
@@ -373,7 +374,17 @@ impl Dataplane {
         let ranges = self.ebpf.take_map(MAP_SOURCE_RANGES).context("no source-range map")?;
         let ranges6 = self.ebpf.take_map(MAP_SOURCE_RANGES6).context("no IPv6 source-range map")?;
         let service_nets = self.ebpf.take_map(MAP_SERVICE_NETS).context("no service-net map")?;
+        let batch_fds = BatchFds {
+            services: dup_fd(&services)?,
+            backends: dup_fd(&backends)?,
+            matches: dup_fd(&matches)?,
+            services6: dup_fd(&services6)?,
+            backends6: dup_fd(&backends6)?,
+            matches6: dup_fd(&matches6)?,
+            unsupported: false,
+        };
         Ok(AyaLbMaps {
+            batch_fds,
             service_nets: LpmTrie::try_from(service_nets)?,
             services: BpfHashMap::try_from(services)?,
             backends: BpfHashMap::try_from(backends)?,
@@ -510,8 +521,73 @@ where
     Ok(p.try_into()?)
 }
 
+/// A second descriptor of a hash map, for the batch operations aya does not wrap.
+fn dup_fd(m: &Map) -> Result<OwnedFd> {
+    match m {
+        Map::HashMap(d) | Map::LruHashMap(d) => Ok(d.fd().as_fd().try_clone_to_owned()?),
+        other => bail!("batch writes: {other:?} is not a hash map"),
+    }
+}
+
+/// Descriptors of the hash maps the writer batches.
+struct BatchFds {
+    services: OwnedFd,
+    backends: OwnedFd,
+    matches: OwnedFd,
+    services6: OwnedFd,
+    backends6: OwnedFd,
+    matches6: OwnedFd,
+    /// The kernel refused a batch command (older than 5.6): single writes from then on.
+    unsupported: bool,
+}
+
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+/// The kernel's internal "operation not supported" (`ENOTSUPP`), which bpf(2) returns as is.
+const ENOTSUPP: i32 = 524;
+
+/// `union bpf_attr`'s `batch` member.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// One `BPF_MAP_UPDATE_BATCH` (values given) or `BPF_MAP_DELETE_BATCH` of `keys`: on error,
+/// how many elements the kernel processed before the one that failed, and the error.
+fn sys_batch<K, V>(fd: &OwnedFd, keys: &[K], values: Option<&[V]>) -> Result<(), (usize, std::io::Error)> {
+    let n = u32::try_from(keys.len()).map_err(|_| (0, std::io::Error::from_raw_os_error(libc::E2BIG)))?;
+    let mut a = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.map_or(0, |v| v.as_ptr() as u64),
+        count: n,
+        map_fd: fd.as_raw_fd() as u32,
+        ..Default::default()
+    };
+    let cmd = if values.is_some() { BPF_MAP_UPDATE_BATCH } else { BPF_MAP_DELETE_BATCH };
+    // SAFETY: `a` is a valid `bpf_attr.batch`; keys and values point at `n` elements of the
+    // map's key and value size (the typed maps check those sizes), alive for the call.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, &mut a as *mut BatchAttr, std::mem::size_of::<BatchAttr>() as u32) };
+    if r == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    // The kernel writes back `count` only once it has started on the elements (and then it
+    // is below n); an error before that leaves our n, and nothing was written.
+    let done = if a.count < n { a.count as usize } else { 0 };
+    Err((done, err))
+}
+
 /// The service and backend maps, owned by the writer.
 pub struct AyaLbMaps {
+    batch_fds: BatchFds,
     services: BpfHashMap<MapData, ServiceKey4, ServiceValue4>,
     backends: BpfHashMap<MapData, u32, Backend4>,
     matches: BpfHashMap<MapData, AffinityMatchKey4, u8>,
@@ -623,6 +699,67 @@ impl LbMaps for AyaLbMaps {
     fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
         let (len, data) = crate::lbmap::service_net_key(net);
         ignore_missing(self.service_nets.remove(&LpmKey::new(len, data))).map_err(|e| map_err(MAP_SERVICE_NETS, format!("delete {net}"), e))
+    }
+
+    fn write_batch(&mut self, b: Batch<'_>) -> Result<(), BatchError> {
+        if b.is_empty() {
+            return Ok(());
+        }
+        if self.batch_fds.unsupported {
+            return one_by_one(self, b);
+        }
+        let f = &self.batch_fds;
+        let (map, fd) = match b {
+            Batch::PutBackends(..) | Batch::DelBackends(_) => (MAP_BACKENDS_NAME, &f.backends),
+            Batch::PutBackends6(..) | Batch::DelBackends6(_) => (MAP_BACKENDS6, &f.backends6),
+            Batch::PutServices(..) | Batch::DelServices(_) => (MAP_SERVICES_NAME, &f.services),
+            Batch::PutServices6(..) | Batch::DelServices6(_) => (MAP_SERVICES6, &f.services6),
+            Batch::PutMatches(_) | Batch::DelMatches(_) => (MAP_AFFINITY_MATCH, &f.matches),
+            Batch::PutMatches6(_) | Batch::DelMatches6(_) => (MAP_AFFINITY_MATCH6, &f.matches6),
+        };
+        let is_delete = matches!(
+            b,
+            Batch::DelBackends(_) | Batch::DelBackends6(_) | Batch::DelServices(_) | Batch::DelServices6(_) | Batch::DelMatches(_) | Batch::DelMatches6(_)
+        );
+        let n = b.len();
+        let mut from = 0;
+        while from < n {
+            let ones = vec![1u8; if matches!(b, Batch::PutMatches(_) | Batch::PutMatches6(_)) { n - from } else { 0 }];
+            let r = match b {
+                Batch::PutBackends(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
+                Batch::PutBackends6(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
+                Batch::PutServices(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
+                Batch::PutServices6(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
+                Batch::PutMatches(k) => sys_batch(fd, &k[from..], Some(&ones[..])),
+                Batch::PutMatches6(k) => sys_batch(fd, &k[from..], Some(&ones[..])),
+                Batch::DelBackends(k) | Batch::DelBackends6(k) => sys_batch::<u32, u8>(fd, &k[from..], None),
+                Batch::DelServices(k) => sys_batch::<_, u8>(fd, &k[from..], None),
+                Batch::DelServices6(k) => sys_batch::<_, u8>(fd, &k[from..], None),
+                Batch::DelMatches(k) => sys_batch::<_, u8>(fd, &k[from..], None),
+                Batch::DelMatches6(k) => sys_batch::<_, u8>(fd, &k[from..], None),
+            };
+            let Err((done, err)) = r else { return Ok(()) };
+            let code = err.raw_os_error();
+            if from == 0 && done == 0 && matches!(code, Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)) {
+                // No batch operations here (kernel < 5.6), or the first element itself is
+                // refused: single writes tell the two apart.
+                one_by_one(self, b)?;
+                tracing::info!("map batch operations unavailable ({err}); writing maps one entry at a time");
+                self.batch_fds.unsupported = true;
+                return Ok(());
+            }
+            let at = from + done;
+            if is_delete && code == Some(libc::ENOENT) {
+                // Deleting a missing key is not an error (as for single deletes): go on
+                // after it.
+                from = at + 1;
+                continue;
+            }
+            let op = if is_delete { format!("batch delete, element {at} of {n}") } else { format!("batch update, element {at} of {n}") };
+            let error = if code == Some(libc::E2BIG) { MapError::Full { map, op } } else { MapError::Io { map, op, source: err } };
+            return Err(BatchError { done: at, error });
+        }
+        Ok(())
     }
 }
 

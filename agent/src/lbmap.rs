@@ -8,7 +8,10 @@
 //!
 //! Everything here is pure (maps behind the [`LbMaps`] trait) and unit-tested with an
 //! in-memory map that checks that invariant after every single write.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    hash::{BuildHasher, BuildHasherDefault},
+};
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -19,6 +22,9 @@ use gardenet_common::{
 };
 
 use crate::model::{Backend, Cidr, Frontend, FrontendSpec, Proto, Scope};
+
+mod batch;
+pub use batch::Op;
 
 /// Errors from the map backend (a full map, a vanished pin, ...).
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +81,81 @@ pub trait LbMaps {
     }
     fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
         Err(MapError::Other(format!("delete {net}: this map backend has no service-net map")))
+    }
+
+    /// Applies the elements of `b` in order, as if one by one (a reader may see any prefix),
+    /// and stops at the first that fails: [`BatchError::done`] elements were written. Deleting
+    /// a missing key is not an error. The default writes one by one; the kernel backend uses
+    /// `BPF_MAP_UPDATE_BATCH`/`BPF_MAP_DELETE_BATCH` where the kernel has them.
+    fn write_batch(&mut self, b: Batch<'_>) -> Result<(), BatchError> {
+        one_by_one(self, b)
+    }
+}
+
+/// Many writes to one hash map: keys (and values) in the order they are applied.
+#[derive(Clone, Copy, Debug)]
+pub enum Batch<'a> {
+    PutBackends(&'a [u32], &'a [Backend4]),
+    PutBackends6(&'a [u32], &'a [Backend6]),
+    PutServices(&'a [ServiceKey4], &'a [ServiceValue4]),
+    PutServices6(&'a [ServiceKey6], &'a [ServiceValue4]),
+    PutMatches(&'a [AffinityMatchKey4]),
+    PutMatches6(&'a [AffinityMatchKey6]),
+    DelBackends(&'a [u32]),
+    DelBackends6(&'a [u32]),
+    DelServices(&'a [ServiceKey4]),
+    DelServices6(&'a [ServiceKey6]),
+    DelMatches(&'a [AffinityMatchKey4]),
+    DelMatches6(&'a [AffinityMatchKey6]),
+}
+
+impl Batch<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Batch::PutBackends(k, _) | Batch::PutBackends6(k, _) | Batch::DelBackends(k) | Batch::DelBackends6(k) => k.len(),
+            Batch::PutServices(k, _) | Batch::DelServices(k) => k.len(),
+            Batch::PutServices6(k, _) | Batch::DelServices6(k) => k.len(),
+            Batch::PutMatches(k) | Batch::DelMatches(k) => k.len(),
+            Batch::PutMatches6(k) | Batch::DelMatches6(k) => k.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A batch that stopped: its first `done` elements were written, element `done` failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{error} (element {done} of a batch)")]
+pub struct BatchError {
+    pub done: usize,
+    #[source]
+    pub error: MapError,
+}
+
+/// [`LbMaps::write_batch`] with single writes.
+pub fn one_by_one<M: LbMaps + ?Sized>(maps: &mut M, b: Batch<'_>) -> Result<(), BatchError> {
+    fn each(n: usize, mut f: impl FnMut(usize) -> Result<(), MapError>) -> Result<(), BatchError> {
+        for done in 0..n {
+            f(done).map_err(|error| BatchError { done, error })?;
+        }
+        Ok(())
+    }
+    let n = b.len();
+    match b {
+        Batch::PutBackends(k, v) => each(n, |i| maps.put_backend(k[i], &v[i])),
+        Batch::PutBackends6(k, v) => each(n, |i| maps.put_backend6(k[i], &v[i])),
+        Batch::PutServices(k, v) => each(n, |i| maps.put_service(&k[i], &v[i])),
+        Batch::PutServices6(k, v) => each(n, |i| maps.put_service6(&k[i], &v[i])),
+        Batch::PutMatches(k) => each(n, |i| maps.put_match(&k[i])),
+        Batch::PutMatches6(k) => each(n, |i| maps.put_match6(&k[i])),
+        Batch::DelBackends(k) => each(n, |i| maps.del_backend(k[i])),
+        Batch::DelBackends6(k) => each(n, |i| maps.del_backend6(k[i])),
+        Batch::DelServices(k) => each(n, |i| maps.del_service(&k[i])),
+        Batch::DelServices6(k) => each(n, |i| maps.del_service6(&k[i])),
+        Batch::DelMatches(k) => each(n, |i| maps.del_match(&k[i])),
+        Batch::DelMatches6(k) => each(n, |i| maps.del_match6(&k[i])),
     }
 }
 
@@ -327,14 +408,100 @@ struct Programmed {
 
 type BeKey = (Backend, Proto);
 
+/// The backends in the maps: id -> (backend, number of frontends using it), and the way back.
+/// The way back is a table of ids hashed by their backend (5 bytes a backend, where a
+/// `HashMap<BeKey, u32>` took 29: ~13 MiB at 300,000 backends).
+#[derive(Default)]
+struct Backends {
+    by_id: HashMap<u32, (BeKey, u32), BuildHasherDefault<IdHasher>>,
+    ids: hashbrown::HashTable<u32>,
+    /// Keyed (SipHash): backend addresses come from the cluster's EndpointSlices.
+    hasher: std::hash::RandomState,
+}
+
+/// Hashes the writer's own backend ids (sequential, never chosen by anyone else): one
+/// multiplication instead of SipHash on the sync's hottest lookups.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u32(&mut self, i: u32) {
+        // The id itself in the low bits (hashbrown's bucket index): ids allocated one after
+        // the other land in neighbouring buckets, which keeps a full sync in cache. The top
+        // bits (its 7-bit tag) come from a multiplication, so tags still tell ids apart.
+        let i = u64::from(i);
+        self.0 = (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) & 0xfe00_0000_0000_0000) | i;
+    }
+}
+
+impl std::fmt::Debug for Backends {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.by_id.iter()).finish()
+    }
+}
+
+impl Backends {
+    /// The id of a backend (the first one adopted, if a previous agent left two).
+    fn id_of(&self, k: &BeKey) -> Option<u32> {
+        let by_id = &self.by_id;
+        self.ids.find(self.hasher.hash_one(k), |id| by_id.get(id).is_some_and(|(b, _)| b == k)).copied()
+    }
+
+    /// A backend that has no id yet, used by nobody yet.
+    fn insert(&mut self, k: BeKey, id: u32) {
+        self.by_id.insert(id, (k, 0));
+        let Backends { by_id, ids, hasher } = self;
+        ids.insert_unique(hasher.hash_one(k), id, |i| hasher.hash_one(by_id[i].0));
+    }
+
+    /// A backend found in the maps; a second id for the same backend is counted but not found
+    /// by [`Backends::id_of`].
+    fn adopt(&mut self, k: BeKey, id: u32) {
+        if self.id_of(&k).is_some() {
+            self.by_id.insert(id, (k, 0));
+        } else {
+            self.insert(k, id);
+        }
+    }
+
+    fn remove(&mut self, id: u32) {
+        let Some((k, _)) = self.by_id.get(&id) else { return };
+        if let Ok(e) = self.ids.find_entry(self.hasher.hash_one(k), |i| *i == id) {
+            e.remove();
+        }
+        self.by_id.remove(&id);
+    }
+
+    fn get(&self, id: &u32) -> Option<&(BeKey, u32)> {
+        self.by_id.get(id)
+    }
+
+    fn get_mut(&mut self, id: &u32) -> Option<&mut (BeKey, u32)> {
+        self.by_id.get_mut(id)
+    }
+
+    fn contains_id(&self, id: &u32) -> bool {
+        self.by_id.contains_key(id)
+    }
+
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+}
+
 /// What is programmed in the maps, as the writer knows it.
 #[derive(Debug, Default)]
 pub struct LbState {
     frontends: BTreeMap<Frontend, Programmed>,
-    /// Backend -> id.
-    backends: HashMap<BeKey, u32>,
-    /// Id -> (backend, number of frontends using it).
-    by_id: HashMap<u32, (BeKey, u32)>,
+    backends: Backends,
     next_id: u32,
     /// Source ranges in the maps, by frontend (also ones whose master is gone: an upsert of
     /// that frontend then removes what it does not want).
@@ -577,8 +744,12 @@ impl LbState {
             }
             for id in &ids {
                 let k = (bes[id], proto);
-                st.backends.entry(k).or_insert(*id);
-                st.by_id.entry(*id).or_insert((k, 0)).1 += 1;
+                if !st.backends.contains_id(id) {
+                    st.backends.adopt(k, *id);
+                }
+                if let Some(e) = st.backends.get_mut(id) {
+                    e.1 += 1;
+                }
             }
             st.frontends.insert(fe, Programmed { slots: ids, affinity_timeout: v.affinity_timeout, flags: v.flags });
         }
@@ -596,7 +767,7 @@ impl LbState {
 
     /// The backends `fe` is programmed with (empty if it is not).
     pub fn backends_of(&self, fe: &Frontend) -> Vec<Backend> {
-        self.frontends.get(fe).map_or_else(Vec::new, |p| p.slots.iter().filter_map(|id| self.by_id.get(id)).map(|((b, _), _)| *b).collect())
+        self.frontends.get(fe).map_or_else(Vec::new, |p| p.slots.iter().filter_map(|id| self.backends.get(id)).map(|((b, _), _)| *b).collect())
     }
 
     pub fn backend_count(&self) -> usize {
@@ -618,7 +789,7 @@ impl LbState {
         loop {
             let id = self.next_id;
             self.next_id = self.next_id.wrapping_add(1).max(1);
-            if !self.by_id.contains_key(&id) {
+            if !self.backends.contains_id(&id) {
                 return id;
             }
         }
@@ -627,8 +798,7 @@ impl LbState {
     fn forget_created(&mut self, maps: &mut impl LbMaps, created: Vec<(BeKey, u32)>) {
         for (k, id) in created {
             let _ = del_be(maps, id, &k.0);
-            self.backends.remove(&k);
-            self.by_id.remove(&id);
+            self.backends.remove(id);
         }
     }
 
@@ -673,8 +843,8 @@ impl LbState {
         let mut ids = Vec::with_capacity(wanted.len());
         for b in &wanted {
             let k = (*b, fe.proto);
-            if let Some(id) = self.backends.get(&k) {
-                ids.push(*id);
+            if let Some(id) = self.backends.id_of(&k) {
+                ids.push(id);
                 continue;
             }
             let id = self.alloc_id();
@@ -685,7 +855,6 @@ impl LbState {
             }
             w.puts += 1;
             self.backends.insert(k, id);
-            self.by_id.insert(id, (k, 0));
             created.push((k, id));
             ids.push(id);
         }
@@ -756,7 +925,7 @@ impl LbState {
             }
         }
         for id in &new_slots {
-            if let Some(e) = self.by_id.get_mut(id) {
+            if let Some(e) = self.backends.get_mut(id) {
                 e.1 += 1;
             }
         }
@@ -827,14 +996,14 @@ impl LbState {
             return false;
         }
         let have: BTreeSet<u32> = o.slots.iter().copied().collect();
-        wanted.iter().all(|b| self.backends.get(&(*b, proto)).is_some_and(|id| have.contains(id)))
+        wanted.iter().all(|b| self.backends.id_of(&(*b, proto)).is_some_and(|id| have.contains(&id)))
     }
 
     /// Drops one reference per id; deletes backends that reach zero. Returns deletes done.
     fn release(&mut self, maps: &mut impl LbMaps, ids: &[u32]) -> u32 {
         let mut n = 0;
         for id in ids {
-            let Some((k, refs)) = self.by_id.get_mut(id) else { continue };
+            let Some((k, refs)) = self.backends.get_mut(id) else { continue };
             *refs = refs.saturating_sub(1);
             if *refs == 0 {
                 let k = *k;
@@ -842,8 +1011,7 @@ impl LbState {
                     Ok(()) => n += 1,
                     Err(err) => tracing::warn!("deleting backend {id}: {err}"),
                 }
-                self.backends.remove(&k);
-                self.by_id.remove(id);
+                self.backends.remove(*id);
             }
         }
         n
@@ -866,6 +1034,10 @@ impl LbState {
 /// New slot order: survivors stay where they are, newcomers fill the holes, and leftover
 /// holes are closed by moving entries from the tail.
 pub fn plan_slots(old: &[u32], wanted: &[u32]) -> Vec<u32> {
+    if old.is_empty() {
+        // A new frontend (the whole full sync): nothing to keep in place.
+        return wanted.to_vec();
+    }
     let want: BTreeSet<u32> = wanted.iter().copied().collect();
     let kept: BTreeSet<u32> = old.iter().copied().filter(|id| want.contains(id)).collect();
     let mut adds: Vec<u32> = wanted.iter().copied().filter(|id| !kept.contains(id)).collect();
@@ -915,6 +1087,8 @@ pub struct MemMaps {
     pub max_backends: Option<usize>,
     pub check_invariant: bool,
     pub writes: u64,
+    /// `write_batch` calls (each applied element by element, checked after each).
+    pub batches: u64,
 }
 
 impl MemMaps {
@@ -1080,6 +1254,10 @@ impl LbMaps for MemMaps {
         self.service_nets.remove(net);
         self.writes += 1;
         Ok(())
+    }
+    fn write_batch(&mut self, b: Batch<'_>) -> Result<(), BatchError> {
+        self.batches += 1;
+        one_by_one(self, b)
     }
 }
 
@@ -1441,6 +1619,195 @@ mod tests {
         assert_eq!(ids, m.backends6.keys().copied().collect());
         st.delete(&mut m, &fe6(80)).unwrap();
         assert!(m.matches6.is_empty() && m.backends6.is_empty());
+    }
+
+    /// Frontends with their backends (sorted) and dangling slots.
+    type Seen = Vec<(String, Vec<Backend>, u32)>;
+
+    /// The frontends as the maps have them, and as the state knows them.
+    fn both(m: &MemMaps, st: &LbState) -> (Seen, Seen) {
+        let maps = m.dump().frontends().into_iter().map(|d| (d.frontend.to_string(), sorted(d.backends), d.dangling_slots)).collect();
+        let state = st.frontends().map(|f| (f.to_string(), sorted(st.backends_of(f)), 0)).collect();
+        (maps, state)
+    }
+
+    fn sorted(mut v: Vec<Backend>) -> Vec<Backend> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn apply_in_batches_ends_where_one_by_one_does() {
+        // Same ops through apply (batched, MemMaps checks after every element) and through
+        // upsert/delete one at a time: same maps, same state.
+        let cidr = |c: &str| -> Cidr { c.parse().unwrap() };
+        let rounds: Vec<Vec<Op>> = vec![
+            vec![
+                Op::Upsert(fe(80), spec(&[1, 2, 3])),
+                Op::Upsert(fe(81), FrontendSpec { affinity_timeout: 30, ..spec(&[3, 4]) }),
+                Op::Upsert(fe6(80), spec6(&[1, 2])),
+                Op::Upsert(fe(82), FrontendSpec { source_ranges: vec![cidr("10.0.0.0/8")], ..spec(&[5]) }),
+                Op::Upsert(fe(83), spec(&[])),
+            ],
+            vec![
+                // Backend 3 leaves :80 and stays with :81; 1 moves from :80 to :84.
+                Op::Upsert(fe(80), spec(&[2])),
+                Op::Upsert(fe(84), spec(&[1, 9])),
+                Op::Upsert(fe(81), spec(&[3, 4, 6])),
+                Op::Delete(fe6(80)),
+                Op::Upsert(fe(82), FrontendSpec { source_ranges: vec![cidr("192.0.2.0/24")], ..spec(&[5, 6]) }),
+                Op::Upsert(fe(83), spec(&[])),
+            ],
+            vec![
+                Op::Delete(fe(80)),
+                Op::Upsert(fe(85), spec(&[2])),
+                Op::Upsert(fe(81), FrontendSpec { affinity_timeout: 30, ..spec(&[4]) }),
+                Op::Delete(fe(82)),
+                Op::Upsert(fe6(81), spec6(&[7])),
+                // The same frontend twice: the second change comes after the first.
+                Op::Upsert(fe(84), spec(&[1])),
+                Op::Upsert(fe(84), spec(&[8])),
+            ],
+        ];
+        let (mut bm, mut bs) = (MemMaps::checked(), LbState::new());
+        let (mut sm, mut ss) = (MemMaps::checked(), LbState::new());
+        for ops in &rounds {
+            let batched: Vec<Writes> = bs.apply(&mut bm, ops).into_iter().map(|r| r.unwrap()).collect();
+            let single: Vec<Writes> = ops
+                .iter()
+                .map(|op| match op {
+                    Op::Upsert(f, s) => ss.upsert(&mut sm, f, s).unwrap(),
+                    Op::Delete(f) => ss.delete(&mut sm, f).unwrap(),
+                })
+                .collect();
+            // A backend leaving one frontend and joining another in the same batch is kept,
+            // not deleted and created again: never more writes than one by one.
+            let total = |v: &[Writes]| v.iter().map(|w| w.total()).sum::<u32>();
+            assert!(total(&batched) <= total(&single), "{batched:?} vs {single:?}");
+            assert_eq!(batched.len(), single.len());
+            let (b, s) = (both(&bm, &bs), both(&sm, &ss));
+            assert_eq!(b, s);
+            assert_eq!(b.0, b.1, "the state knows what the maps hold");
+            assert_eq!(bm.ranges, sm.ranges);
+            assert_eq!(bm.matches.len(), sm.matches.len());
+            assert_eq!(bm.backends.len(), sm.backends.len());
+            assert_eq!(bs.backend_count(), bm.backends.len() + bm.backends6.len());
+        }
+        assert!(bm.batches > 0);
+        assert!(bm.writes <= sm.writes, "no extra writes: {} vs {}", bm.writes, sm.writes);
+    }
+
+    #[test]
+    fn a_backend_moving_between_frontends_in_one_batch_keeps_its_id() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        st.upsert(&mut m, &fe(80), &spec(&[1, 2])).unwrap();
+        let id2 = *m.backends.iter().find(|(_, b)| backend_from_value(b) == be(2)).unwrap().0;
+        let r = st.apply(&mut m, &[Op::Delete(fe(80)), Op::Upsert(fe(81), spec(&[2, 3]))]);
+        assert!(r.iter().all(|r| r.is_ok()));
+        assert!(m.backends.contains_key(&id2), "never deleted: :81 uses it");
+        assert_eq!(m.backends.len(), 2);
+        assert_eq!(programmed(&m, &fe(81)), vec![be(2), be(3)]);
+        assert!(!m.services.contains_key(&service_key(&fe(80))));
+    }
+
+    #[test]
+    fn a_map_filling_up_mid_batch_fails_only_the_frontends_that_do_not_fit() {
+        // Five frontends with two backends each, then all grow to four in one batch: the
+        // services map has room for two of them. The batch fails in its slot step, is undone,
+        // and the frontends are redone one by one: the first two grow, the others report the
+        // full map and keep their two backends. MemMaps checks every element of every step.
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let fes: Vec<Frontend> = (80..85).map(fe).collect();
+        let ops: Vec<Op> = fes.iter().map(|f| Op::Upsert(*f, spec(&[1, 2]))).collect();
+        assert!(st.apply(&mut m, &ops).iter().all(|r| r.is_ok()));
+        m.max_services = Some(m.services.len() + 4);
+        let ops: Vec<Op> = fes.iter().map(|f| Op::Upsert(*f, spec(&[1, 2, 3, 4]))).collect();
+        let batches = m.batches;
+        let r = st.apply(&mut m, &ops);
+        assert!(m.batches > batches);
+        assert!(r[0].is_ok() && r[1].is_ok(), "{r:?}");
+        for r in &r[2..] {
+            assert!(matches!(r, Err(MapError::Full { .. })), "{r:?}");
+        }
+        for f in &fes[..2] {
+            assert_eq!(programmed(&m, f), vec![be(1), be(2), be(3), be(4)]);
+        }
+        for f in &fes[2..] {
+            assert_eq!(programmed(&m, f), vec![be(1), be(2)]);
+        }
+        // The state matches the maps: what a restart would adopt, and later changes work.
+        let (maps, state) = both(&m, &st);
+        assert_eq!(maps, state, "no dangling slots, and the state knows what the maps hold");
+        assert_eq!(st.backend_count(), m.backends.len());
+        m.max_services = None;
+        assert!(st.apply(&mut m, &ops).iter().all(|r| r.is_ok()));
+        for f in &fes {
+            assert_eq!(programmed(&m, f), vec![be(1), be(2), be(3), be(4)]);
+        }
+    }
+
+    #[test]
+    fn a_map_filling_up_in_the_master_step_unpublishes_and_redoes_one_by_one() {
+        // New frontends, one backend each: all slots fit, the services map fills after two
+        // masters. Those two are put back (deleted), everything else undone, then redone one
+        // by one: the first frontends that fit are programmed, the rest report the full map.
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        let n = 6;
+        m.max_services = Some(n + 2);
+        let ops: Vec<Op> = (0..n as u16).map(|i| Op::Upsert(fe(80 + i), spec(&[i as u8 + 1]))).collect();
+        let r = st.apply(&mut m, &ops);
+        let ok = r.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(ok, (n + 2) / 2, "{r:?}");
+        assert!(r[ok..].iter().all(|r| matches!(r, Err(MapError::Full { .. }))));
+        assert_eq!(m.services.len(), 2 * ok);
+        assert_eq!(m.backends.len(), ok, "backends of failed frontends are gone");
+        assert_eq!(st.backend_count(), ok);
+        for (i, f) in (0..n as u16).map(|i| fe(80 + i)).enumerate() {
+            assert_eq!(st.contains(&f), i < ok);
+        }
+    }
+
+    #[test]
+    fn a_full_backend_map_mid_batch_is_reported_for_the_frontends_concerned() {
+        let mut m = MemMaps::checked();
+        let mut st = LbState::new();
+        st.upsert(&mut m, &fe(80), &spec(&[1])).unwrap();
+        m.max_backends = Some(3);
+        let ops = vec![Op::Upsert(fe(80), spec(&[1, 2])), Op::Upsert(fe(81), spec(&[3, 4])), Op::Upsert(fe(82), spec(&[1]))];
+        let r = st.apply(&mut m, &ops);
+        assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
+        assert!(matches!(r[1], Err(MapError::Full { .. })), "{r:?}");
+        assert_eq!(programmed(&m, &fe(80)), vec![be(1), be(2)]);
+        assert_eq!(programmed(&m, &fe(82)), vec![be(1)]);
+        assert!(!m.services.contains_key(&service_key(&fe(81))));
+        assert_eq!(m.backends.len(), 2);
+    }
+
+    #[test]
+    fn backend_index_finds_ids_through_growth_and_removal() {
+        let mut b = Backends::default();
+        let key = |i: u32| (Backend::new(Ipv4Addr::from(0x0a00_0000 + i).into(), 8080), Proto::Tcp);
+        for i in 1..=5000 {
+            b.insert(key(i), i);
+        }
+        for i in (1..=5000).step_by(2) {
+            b.remove(i);
+        }
+        assert_eq!(b.len(), 2500);
+        for i in 1..=5000 {
+            assert_eq!(b.id_of(&key(i)), (i % 2 == 0).then_some(i), "{i}");
+        }
+        // A backend a previous agent left under two ids: found by the first, both counted.
+        b.adopt(key(2), 9000);
+        assert_eq!(b.id_of(&key(2)), Some(2));
+        assert!(b.contains_id(&9000));
+        b.remove(9000);
+        assert_eq!(b.id_of(&key(2)), Some(2), "removing the second id keeps the first");
+        b.remove(2);
+        assert_eq!(b.id_of(&key(2)), None);
     }
 
     #[test]

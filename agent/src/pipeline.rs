@@ -5,18 +5,23 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     net::IpAddr,
+    ops::Range,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use crate::{
     gardener::config::NodePortAddress,
-    lbmap::{LbMaps, LbState, MapError, ServiceNet, ServiceNets, Writes},
+    lbmap::{LbMaps, LbState, MapError, Op, ServiceNet, ServiceNets, Writes},
     model::{Backend, Cidr, Frontend, Proto},
     source::SourceEvent,
     translate::{self, NodeInfo, Problem, ProblemKind},
     view::{ServiceCidrView, ServiceView, SliceView},
 };
+
+/// Frontend changes collected before they are written in one [`LbState::apply`] (bounds the
+/// memory of one batch; a full sync of 30,000 Services is ~30 batches).
+const PENDING_MAX: usize = 1024;
 
 /// How long a slice may wait for its Service before it is reported.
 pub const ORPHAN_GRACE: Duration = Duration::from_secs(5);
@@ -89,7 +94,36 @@ pub struct Pipeline<M: LbMaps> {
     nets_dirty: bool,
     /// ServiceCIDRs seen since a `Resync` began.
     resync_cidrs: Option<HashSet<String>>,
+    /// Frontend changes decided in this flush and not written yet.
+    pending: Pending,
     pub stats: PipelineStats,
+}
+
+/// Frontend changes of Services applied in a flush, written together by
+/// [`Pipeline::write_pending`]; ownership is settled from their results.
+#[derive(Default)]
+struct Pending {
+    ops: Vec<Op>,
+    /// Per op: the frontend's UDP backends before the change (for conntrack cleanup).
+    before: Vec<Vec<Backend>>,
+    services: Vec<PendingService>,
+    fes: HashSet<Frontend>,
+}
+
+struct PendingService {
+    key: String,
+    /// Frontends it owned before.
+    old: BTreeSet<Frontend>,
+    /// Its ops: upserts, then deletes.
+    ops: Range<usize>,
+}
+
+impl Pending {
+    fn push(&mut self, op: Op, before: Vec<Backend>) {
+        self.fes.insert(*op.frontend());
+        self.ops.push(op);
+        self.before.push(before);
+    }
 }
 
 impl<M: LbMaps> Pipeline<M> {
@@ -117,6 +151,7 @@ impl<M: LbMaps> Pipeline<M> {
             nets: ServiceNets::default(),
             nets_dirty: true,
             resync_cidrs: None,
+            pending: Pending::default(),
             stats: PipelineStats::default(),
         }
     }
@@ -320,15 +355,17 @@ impl<M: LbMaps> Pipeline<M> {
                 rep.services += 1;
                 self.apply_service(&k, &mut rep);
             }
+            self.write_pending(&mut rep);
         }
         if !self.pruned {
             // Frontends adopted from a previous run that no Service claims any more.
             self.pruned = true;
-            let stale: Vec<Frontend> = self.lb.frontends().filter(|f| !self.owner.contains_key(f)).copied().collect();
-            for fe in stale {
-                match self.lb.delete(&mut self.maps, &fe) {
+            let stale: Vec<Op> = self.lb.frontends().filter(|f| !self.owner.contains_key(f)).map(|f| Op::Delete(*f)).collect();
+            let results = self.lb.apply(&mut self.maps, &stale);
+            for (op, r) in stale.iter().zip(results) {
+                match r {
                     Ok(w) => rep.writes += w,
-                    Err(e) => self.map_error(&mut rep, "-", &e, format!("deleting stale frontend {fe}")),
+                    Err(e) => self.map_error(&mut rep, "-", &e, format!("deleting stale frontend {}", op.frontend())),
                 }
             }
         }
@@ -429,11 +466,17 @@ impl<M: LbMaps> Pipeline<M> {
             tracing::debug!(service = key, "not handled by gardenet: {why}");
         }
 
+        // Who owns a frontend is settled when its change is written: a Service touching a
+        // frontend whose change is still pending waits for it.
+        if t.frontends.iter().map(|(fe, _)| fe).chain(self.owned.get(key).into_iter().flatten()).any(|fe| self.pending.fes.contains(fe)) {
+            self.write_pending(rep);
+        }
         let old = self.owned.remove(key).unwrap_or_default();
-        let mut now_owned = BTreeSet::new();
+        let mut attempted = BTreeSet::new();
+        let start = self.pending.ops.len();
         let my_rank = self.services.get(key).map(|s| s.rank());
-        for (fe, spec) in &t.frontends {
-            if let Some(o) = self.owner.get(fe).cloned() {
+        for (fe, spec) in t.frontends {
+            if let Some(o) = self.owner.get(&fe).cloned() {
                 if o != key {
                     self.stats.conflicts += 1;
                     // An owner whose Service is already gone (its deletion is still queued)
@@ -445,7 +488,7 @@ impl<M: LbMaps> Pipeline<M> {
                             ProblemKind::Conflict,
                             format!("frontend {fe} is already used by service {o} (older); not programmed"),
                         ));
-                        self.contenders.entry(*fe).or_default().insert(key.into());
+                        self.contenders.entry(fe).or_default().insert(key.into());
                         continue;
                     }
                     // This Service is older: it takes the frontend over (the upsert below
@@ -458,62 +501,81 @@ impl<M: LbMaps> Pipeline<M> {
                         ));
                     }
                     if let Some(set) = self.owned.get_mut(&o) {
-                        set.remove(fe);
+                        set.remove(&fe);
                         if set.is_empty() {
                             self.owned.remove(&o);
                         }
                     }
-                    self.contenders.entry(*fe).or_default().insert(o);
+                    self.contenders.entry(fe).or_default().insert(o);
                 }
             }
+            let before = if fe.proto == Proto::Udp { self.lb.backends_of(&fe) } else { Vec::new() };
+            attempted.insert(fe);
+            self.pending.push(Op::Upsert(fe, spec), before);
+        }
+        for fe in old.difference(&attempted) {
             let before = if fe.proto == Proto::Udp { self.lb.backends_of(fe) } else { Vec::new() };
-            match self.lb.upsert(&mut self.maps, fe, spec) {
-                Ok(w) => {
-                    rep.writes += w;
-                    let now: HashSet<&Backend> = spec.backends.iter().collect();
-                    rep.stale_udp.extend(before.into_iter().filter(|b| !now.contains(b)).map(|b| (*fe, b)));
-                    self.owner.insert(*fe, key.into());
-                    now_owned.insert(*fe);
-                    if let Some(c) = self.contenders.get_mut(fe) {
-                        c.remove(key);
-                    }
-                }
-                Err(e) => {
-                    // The previous programming (if any) is intact: keep owning it.
-                    if old.contains(fe) {
+            self.pending.push(Op::Delete(*fe), before);
+        }
+        let ops = start..self.pending.ops.len();
+        self.pending.services.push(PendingService { key: key.into(), old, ops });
+        if self.pending.ops.len() >= PENDING_MAX {
+            self.write_pending(rep);
+        }
+    }
+
+    /// Writes the pending frontend changes (batched) and settles ownership from the results.
+    fn write_pending(&mut self, rep: &mut FlushReport) {
+        let p = std::mem::take(&mut self.pending);
+        let results = self.lb.apply(&mut self.maps, &p.ops);
+        let mut results: Vec<Option<Result<Writes, MapError>>> = results.into_iter().map(Some).collect();
+        let mut before = p.before;
+        for s in p.services {
+            let key = s.key.as_str();
+            let mut now_owned = BTreeSet::new();
+            for i in s.ops {
+                let r = results[i].take().expect("one result per op");
+                let before = std::mem::take(&mut before[i]);
+                match (&p.ops[i], r) {
+                    (Op::Upsert(fe, spec), Ok(w)) => {
+                        rep.writes += w;
+                        let now: HashSet<&Backend> = spec.backends.iter().collect();
+                        rep.stale_udp.extend(before.into_iter().filter(|b| !now.contains(b)).map(|b| (*fe, b)));
+                        self.owner.insert(*fe, key.into());
                         now_owned.insert(*fe);
+                        if let Some(c) = self.contenders.get_mut(fe) {
+                            c.remove(key);
+                        }
                     }
-                    self.map_error(rep, key, &e, format!("frontend {fe}"));
+                    (Op::Upsert(fe, _), Err(e)) => {
+                        // The previous programming (if any) is intact: keep owning it.
+                        if s.old.contains(fe) {
+                            now_owned.insert(*fe);
+                        }
+                        self.map_error(rep, key, &e, format!("frontend {fe}"));
+                    }
+                    (Op::Delete(fe), Ok(w)) => {
+                        rep.writes += w;
+                        rep.stale_udp.extend(before.into_iter().map(|b| (*fe, b)));
+                        self.owner.remove(fe);
+                        if let Some(c) = self.contenders.remove(fe) {
+                            self.dirty.extend(c);
+                        }
+                    }
+                    (Op::Delete(fe), Err(e)) => self.map_error(rep, key, &e, format!("deleting frontend {fe}")),
                 }
             }
-        }
-        for fe in old.difference(&now_owned) {
-            let before = if fe.proto == Proto::Udp { self.lb.backends_of(fe) } else { Vec::new() };
-            match self.lb.delete(&mut self.maps, fe) {
-                Ok(w) => {
-                    rep.writes += w;
-                    rep.stale_udp.extend(before.into_iter().map(|b| (*fe, b)));
-                }
-                Err(e) => {
-                    self.map_error(rep, key, &e, format!("deleting frontend {fe}"));
-                    continue;
+            // Endpoints the Service lists no more: idle sockets of its TCP frontends to them go.
+            if let Some(candidates) = self.unlisted.remove(key) {
+                for addr in candidates.into_iter().filter(|a| !self.lists(key, *a)) {
+                    for fe in s.old.union(&now_owned).filter(|f| f.proto == Proto::Tcp) {
+                        rep.departed_tcp.push(Departure { service: key.into(), frontend: *fe, addr });
+                    }
                 }
             }
-            self.owner.remove(fe);
-            if let Some(c) = self.contenders.remove(fe) {
-                self.dirty.extend(c);
+            if !now_owned.is_empty() {
+                self.owned.insert(s.key, now_owned);
             }
-        }
-        // Endpoints the Service lists no more: idle sockets of its TCP frontends to them go.
-        if let Some(candidates) = self.unlisted.remove(key) {
-            for addr in candidates.into_iter().filter(|a| !self.lists(key, *a)) {
-                for fe in old.union(&now_owned).filter(|f| f.proto == Proto::Tcp) {
-                    rep.departed_tcp.push(Departure { service: key.into(), frontend: *fe, addr });
-                }
-            }
-        }
-        if !now_owned.is_empty() {
-            self.owned.insert(key.into(), now_owned);
         }
     }
 }
@@ -908,6 +970,35 @@ mod tests {
         assert!(r.problems.iter().any(|pr| pr.kind == ProblemKind::MapFull && pr.message.contains("full")), "{:?}", r.problems);
         assert_eq!(backends(&p, "10.96.0.1:80"), ["10.0.0.1:8080", "10.0.0.2:8080"]);
         assert_eq!(p.stats.map_errors, 1);
+    }
+
+    #[test]
+    fn a_full_map_in_a_batched_flush_is_reported_on_the_service_concerned() {
+        // Ten Services in one flush (one batch); the backend map holds 25 of their 30
+        // backends: the batch fails, is redone one frontend at a time, and exactly the
+        // Services that did not fit report it. MemMaps checks make-before-break throughout.
+        let mut p = Pipeline::new(MemMaps { check_invariant: true, max_backends: Some(25), ..Default::default() }, LbState::new(), NodeInfo::default());
+        for i in 0..10 {
+            let ips: Vec<String> = (0..3).map(|j| format!("10.0.{i}.{j}")).collect();
+            let ips: Vec<&str> = ips.iter().map(|s| s.as_str()).collect();
+            p.handle(SourceEvent::ServiceApplied(Arc::new(web(&format!("10.96.0.{}", i + 1), &format!("s{i}")))));
+            p.handle(SourceEvent::SliceApplied(Arc::new(eps(&format!("s{i}"), &format!("s{i}-x"), &ips))));
+        }
+        p.handle(SourceEvent::Synced);
+        let r = p.flush();
+        assert!(p.maps().batches > 0);
+        let full: BTreeSet<&str> = r.problems.iter().filter(|pr| pr.kind == ProblemKind::MapFull).map(|pr| pr.service.as_str()).collect();
+        assert_eq!(full, BTreeSet::from(["d/s8", "d/s9"]), "{:?}", r.problems);
+        for i in 0..8 {
+            assert_eq!(backends(&p, &format!("10.96.0.{}:80", i + 1)).len(), 3);
+        }
+        assert!(backends(&p, "10.96.0.9:80").is_empty());
+        assert_eq!(p.service_count(), 8);
+        // Room again: the next change of a failed Service programs it.
+        p.maps.max_backends = None;
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("s9", "s9-x", &["10.0.9.0"]))));
+        p.flush();
+        assert_eq!(backends(&p, "10.96.0.10:80"), ["10.0.9.0:8080"]);
     }
 
     fn node(addresses: &str) -> k8s_openapi::api::core::v1::Node {
