@@ -331,3 +331,39 @@ fn endpoints_listen_where_the_daemonset_says_and_nowhere_else() {
     assert_eq!(got, declared, "{listening:?}");
     assert!(listening.iter().all(|(_, a)| a.ip().is_unspecified()), "hostNetwork: every node address, as the DaemonSet's ports say: {listening:?}");
 }
+
+/// A services map too small for the cluster, on the kernel: the first full sync writes in
+/// batches (`BPF_MAP_UPDATE_BATCH`); the batch that overflows is undone and its changes are
+/// made one frontend at a time, so every frontend that fits is programmed whole and works,
+/// every other one is reported on its own Service, and nothing half-written is left.
+#[test]
+fn a_services_map_too_small_programs_what_fits_and_reports_the_rest() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    // 20 Services x (1 master + 3 slots) = 80 entries for a 40-entry map.
+    let mut manifests = Vec::new();
+    for i in 0..20 {
+        manifests.push((format!("svc{i:02}.yaml"), service_yaml(&format!("s{i:02}"), &format!("198.19.0.{}", 100 + i), 80, &["TCP"])));
+        manifests.push((format!("eps{i:02}.yaml"), slice_yaml(&format!("s{i:02}"), &[0, 1, 2], &["TCP"])));
+    }
+    let refs: Vec<(&str, String)> = manifests.iter().map(|(f, y)| (f.as_str(), y.clone())).collect();
+    let opts = AgentOpts { socket_lb: true, extra: vec!["--map-services=40".into()], ..Default::default() };
+    let agent = Agent::start(&lab, opts, &refs).unwrap();
+    let list = agent.lb_list().unwrap();
+    let programmed: Vec<(String, usize)> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["frontend"]["addr"].as_str().unwrap().to_owned(), f["backends"].as_array().map_or(0, |b| b.len())))
+        .collect();
+    let log = agent.log.lock().unwrap().join("\n");
+    let full = log.lines().filter(|l| l.contains("map GN_SVC4 is full") && l.contains("kind=MapFull")).count();
+    eprintln!("programmed {} of 20 frontends ({programmed:?}); {full} reported full", programmed.len());
+    assert!(!programmed.is_empty() && programmed.len() < 20, "{programmed:?}");
+    assert!(programmed.iter().all(|(_, n)| *n == 3), "every programmed frontend has all its backends: {programmed:?}");
+    assert_eq!(programmed.len() + full, 20, "each frontend is programmed or reported once:\n{log}");
+    for (vip, _) in &programmed {
+        let v = lab.client_json(true, &["tcp", "--to", &format!("{vip}:80"), "--count", "30"]).unwrap();
+        assert_eq!(counts(&v).iter().map(|(_, n)| n).sum::<u64>(), 30, "{vip}: {v}");
+    }
+}
