@@ -344,6 +344,9 @@ impl SvcKey {
 }
 
 /// Best-effort removal of source ranges written by a failed upsert.
+/// A frontend's source ranges before and as wanted, and the keys written for the new ones.
+type RangeChange = (BTreeSet<Cidr>, BTreeSet<Cidr>, Vec<RangeKey>);
+
 fn forget_ranges(maps: &mut impl LbMaps, keys: &[RangeKey]) {
     for k in keys {
         let _ = maps.del_range(k);
@@ -802,29 +805,32 @@ impl LbState {
         }
     }
 
-    /// Programs `fe` to `spec`. On error the maps and this state are left as they were
-    /// before the call (best effort rollback of the writes already done).
-    pub fn upsert(&mut self, maps: &mut impl LbMaps, fe: &Frontend, spec: &FrontendSpec) -> Result<Writes, MapError> {
-        let mut w = Writes::default();
+    /// The spec's backends, sorted and without duplicates; `None` when the frontend is
+    /// programmed exactly so already (nothing to write).
+    fn wanted_backends(&self, fe: &Frontend, spec: &FrontendSpec) -> Result<Option<Vec<Backend>>, MapError> {
         let mut wanted: Vec<Backend> = spec.backends.clone();
         wanted.sort();
         wanted.dedup();
         if wanted.len() > u16::MAX as usize {
             return Err(MapError::Other(format!("{fe}: {} backends, at most {} per frontend", wanted.len(), u16::MAX)));
         }
-        let old = self.frontends.get(fe).cloned();
-        if let Some(o) = &old {
+        if let Some(o) = self.frontends.get(fe) {
             if o.affinity_timeout == spec.affinity_timeout
                 && o.flags == master_flags(spec)
                 && self.same_backends(o, &wanted, fe.proto)
                 && self.same_ranges(fe, spec)
             {
-                return Ok(w);
+                return Ok(None);
             }
         }
+        Ok(Some(wanted))
+    }
 
-        // 0. Source ranges the frontend does not have yet: in the trie before the master's
-        //    flag (or the next step) makes the datapath consult them.
+    /// Writes the source ranges the frontend does not have yet (single writes: LPM tries have
+    /// no batch operations), before the master's flag makes the datapath consult them. On an
+    /// error the ones written here are removed again. Returns (ranges before, ranges wanted,
+    /// keys written).
+    fn put_new_ranges(&self, maps: &mut impl LbMaps, fe: &Frontend, spec: &FrontendSpec, w: &mut Writes) -> Result<RangeChange, MapError> {
         let old_ranges = self.ranges.get(fe).cloned().unwrap_or_default();
         let new_ranges: BTreeSet<Cidr> = spec.source_ranges.iter().copied().filter(|c| c.addr.is_ipv4() == fe.addr.is_ipv4()).collect();
         let mut ranges_put: Vec<RangeKey> = Vec::new();
@@ -837,6 +843,18 @@ impl LbState {
             w.puts += 1;
             ranges_put.push(k);
         }
+        Ok((old_ranges, new_ranges, ranges_put))
+    }
+
+    /// Programs `fe` to `spec`. On error the maps and this state are left as they were
+    /// before the call (best effort rollback of the writes already done).
+    pub fn upsert(&mut self, maps: &mut impl LbMaps, fe: &Frontend, spec: &FrontendSpec) -> Result<Writes, MapError> {
+        let mut w = Writes::default();
+        let Some(wanted) = self.wanted_backends(fe, spec)? else { return Ok(w) };
+        let old = self.frontends.get(fe).cloned();
+
+        // 0. Source ranges the frontend does not have yet.
+        let (old_ranges, new_ranges, ranges_put) = self.put_new_ranges(maps, fe, spec, &mut w)?;
 
         // 1. Backends that do not exist yet.
         let mut created: Vec<(BeKey, u32)> = Vec::new();

@@ -567,7 +567,16 @@ impl<M: LbMaps> Pipeline<M> {
             }
             // Endpoints the Service lists no more: idle sockets of its TCP frontends to them go.
             if let Some(candidates) = self.unlisted.remove(key) {
-                for addr in candidates.into_iter().filter(|a| !self.lists(key, *a)) {
+                // One pass over the Service's endpoints, not one per candidate.
+                let listed: HashSet<IpAddr> = self
+                    .slices_by_svc
+                    .get(key)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|n| self.slices.get(n))
+                    .flat_map(|s| s.endpoints.iter().map(|e| e.addr))
+                    .collect();
+                for addr in candidates.into_iter().filter(|a| !listed.contains(a)) {
                     for fe in s.old.union(&now_owned).filter(|f| f.proto == Proto::Tcp) {
                         rep.departed_tcp.push(Departure { service: key.into(), frontend: *fe, addr });
                     }

@@ -376,36 +376,9 @@ impl LbState {
     /// to write.
     fn plan_upsert(&mut self, maps: &mut impl LbMaps, op: usize, fe: &Frontend, spec: &FrontendSpec, l: &mut Lists) -> Result<Option<Planned>, MapError> {
         let mut w = Writes::default();
-        let mut wanted: Vec<Backend> = spec.backends.clone();
-        wanted.sort();
-        wanted.dedup();
-        if wanted.len() > u16::MAX as usize {
-            return Err(MapError::Other(format!("{fe}: {} backends, at most {} per frontend", wanted.len(), u16::MAX)));
-        }
-        let old = self.frontends.get(fe);
-        if let Some(o) = old {
-            if o.affinity_timeout == spec.affinity_timeout
-                && o.flags == master_flags(spec)
-                && self.same_backends(o, &wanted, fe.proto)
-                && self.same_ranges(fe, spec)
-            {
-                return Ok(None);
-            }
-        }
-        let old = old.cloned();
-
-        let old_ranges = self.ranges.get(fe).cloned().unwrap_or_default();
-        let new_ranges: BTreeSet<Cidr> = spec.source_ranges.iter().copied().filter(|c| c.addr.is_ipv4() == fe.addr.is_ipv4()).collect();
-        let mut ranges_put: Vec<RangeKey> = Vec::new();
-        for c in new_ranges.difference(&old_ranges) {
-            let Some(k) = RangeKey::of(fe, c) else { continue };
-            if let Err(e) = maps.put_range(&k) {
-                forget_ranges(maps, &ranges_put);
-                return Err(e);
-            }
-            w.puts += 1;
-            ranges_put.push(k);
-        }
+        let Some(wanted) = self.wanted_backends(fe, spec)? else { return Ok(None) };
+        let old = self.frontends.get(fe).cloned();
+        let (old_ranges, new_ranges, ranges_put) = self.put_new_ranges(maps, fe, spec, &mut w)?;
 
         let mut created: Vec<(BeKey, u32)> = Vec::new();
         let mut ids = Vec::with_capacity(wanted.len());
