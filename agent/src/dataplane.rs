@@ -588,10 +588,10 @@ fn sys_batch<K, V>(fd: &OwnedFd, keys: &[K], values: Option<&[V]>) -> Result<(),
 /// The service and backend maps, owned by the writer.
 pub struct AyaLbMaps {
     batch_fds: BatchFds,
-    services: BpfHashMap<MapData, ServiceKey4, ServiceValue4>,
+    services: BpfHashMap<MapData, ServiceKey4, ServiceValue>,
     backends: BpfHashMap<MapData, u32, Backend4>,
     matches: BpfHashMap<MapData, AffinityMatchKey4, u8>,
-    services6: BpfHashMap<MapData, ServiceKey6, ServiceValue4>,
+    services6: BpfHashMap<MapData, ServiceKey6, ServiceValue>,
     backends6: BpfHashMap<MapData, u32, Backend6>,
     matches6: BpfHashMap<MapData, AffinityMatchKey6, u8>,
     ranges: LpmTrie<MapData, SourceRange4, u8>,
@@ -646,7 +646,7 @@ impl LbMaps for AyaLbMaps {
     fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
         ignore_missing(self.backends.remove(&id)).map_err(|e| map_err(MAP_BACKENDS_NAME, format!("delete backend {id}"), e))
     }
-    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue4) -> Result<(), MapError> {
+    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue) -> Result<(), MapError> {
         self.services.insert(key, val, 0).map_err(|e| map_err(MAP_SERVICES_NAME, format!("put {key:?}"), e))
     }
     fn del_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
@@ -664,7 +664,7 @@ impl LbMaps for AyaLbMaps {
     fn del_backend6(&mut self, id: u32) -> Result<(), MapError> {
         ignore_missing(self.backends6.remove(&id)).map_err(|e| map_err(MAP_BACKENDS6, format!("delete backend {id}"), e))
     }
-    fn put_service6(&mut self, key: &ServiceKey6, val: &ServiceValue4) -> Result<(), MapError> {
+    fn put_service6(&mut self, key: &ServiceKey6, val: &ServiceValue) -> Result<(), MapError> {
         self.services6.insert(key, val, 0).map_err(|e| map_err(MAP_SERVICES6, format!("put {key:?}"), e))
     }
     fn del_service6(&mut self, key: &ServiceKey6) -> Result<(), MapError> {
@@ -766,7 +766,7 @@ impl LbMaps for AyaLbMaps {
 const MAP_SERVICES_NAME: &str = MAP_SERVICES;
 const MAP_BACKENDS_NAME: &str = MAP_BACKENDS;
 
-fn dump_maps(services: &BpfHashMap<MapData, ServiceKey4, ServiceValue4>, backends: &BpfHashMap<MapData, u32, Backend4>) -> MapDump {
+fn dump_maps(services: &BpfHashMap<MapData, ServiceKey4, ServiceValue>, backends: &BpfHashMap<MapData, u32, Backend4>) -> MapDump {
     MapDump { services: services.iter().filter_map(|r| r.ok()).collect(), backends: backends.iter().filter_map(|r| r.ok()).collect(), ..Default::default() }
 }
 
@@ -778,12 +778,12 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
             MapData::from_pin(&p).with_context(|| format!("opening pinned map {} (is the agent running with --bpffs {}?)", p.display(), pin_dir.display()))?;
         Ok(Map::HashMap(data))
     };
-    let services: BpfHashMap<MapData, ServiceKey4, ServiceValue4> = BpfHashMap::try_from(open(MAP_SERVICES)?)?;
+    let services: BpfHashMap<MapData, ServiceKey4, ServiceValue> = BpfHashMap::try_from(open(MAP_SERVICES)?)?;
     let backends: BpfHashMap<MapData, u32, Backend4> = BpfHashMap::try_from(open(MAP_BACKENDS)?)?;
     let mut d = dump_maps(&services, &backends);
     // Pins of an agent from before dual stack have no IPv6 maps: show IPv4 only then.
     if pin_dir.join(MAP_SERVICES6).exists() {
-        let services6: BpfHashMap<MapData, ServiceKey6, ServiceValue4> = BpfHashMap::try_from(open(MAP_SERVICES6)?)?;
+        let services6: BpfHashMap<MapData, ServiceKey6, ServiceValue> = BpfHashMap::try_from(open(MAP_SERVICES6)?)?;
         let backends6: BpfHashMap<MapData, u32, Backend6> = BpfHashMap::try_from(open(MAP_BACKENDS6)?)?;
         d.services6 = services6.iter().filter_map(|r| r.ok()).collect();
         d.backends6 = backends6.iter().filter_map(|r| r.ok()).collect();

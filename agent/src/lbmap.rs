@@ -16,7 +16,7 @@ use std::{
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use gardenet_common::{
-    ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, Ip6, ServiceKey4, ServiceKey6, ServiceValue4, SourceRange4,
+    ip6_from_octets, ip6_octets, AffinityMatchKey4, AffinityMatchKey6, Backend4, Backend6, Ip6, ServiceKey4, ServiceKey6, ServiceValue, SourceRange4,
     SourceRange6, BE_FLAG_REMOTE, SOURCE_RANGE_FE_BITS4, SOURCE_RANGE_FE_BITS6, SVCNET_CLUSTER_IP, SVCNET_FOREIGN, SVCNET_RANGE, SVC_FLAG_DROP, SVC_FLAG_NONE,
     SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES,
 };
@@ -41,7 +41,7 @@ pub enum MapError {
 pub trait LbMaps {
     fn put_backend(&mut self, id: u32, be: &Backend4) -> Result<(), MapError>;
     fn del_backend(&mut self, id: u32) -> Result<(), MapError>;
-    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue4) -> Result<(), MapError>;
+    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue) -> Result<(), MapError>;
     fn del_service(&mut self, key: &ServiceKey4) -> Result<(), MapError>;
     /// Affinity match entries: "backend belongs to frontend" (only for frontends with affinity).
     fn put_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError>;
@@ -54,7 +54,7 @@ pub trait LbMaps {
     fn del_backend6(&mut self, id: u32) -> Result<(), MapError> {
         Err(no_v6(format!("delete backend {id}")))
     }
-    fn put_service6(&mut self, key: &ServiceKey6, _val: &ServiceValue4) -> Result<(), MapError> {
+    fn put_service6(&mut self, key: &ServiceKey6, _val: &ServiceValue) -> Result<(), MapError> {
         Err(no_v6(format!("put {key:?}")))
     }
     fn del_service6(&mut self, key: &ServiceKey6) -> Result<(), MapError> {
@@ -97,8 +97,8 @@ pub trait LbMaps {
 pub enum Batch<'a> {
     PutBackends(&'a [u32], &'a [Backend4]),
     PutBackends6(&'a [u32], &'a [Backend6]),
-    PutServices(&'a [ServiceKey4], &'a [ServiceValue4]),
-    PutServices6(&'a [ServiceKey6], &'a [ServiceValue4]),
+    PutServices(&'a [ServiceKey4], &'a [ServiceValue]),
+    PutServices6(&'a [ServiceKey6], &'a [ServiceValue]),
     PutMatches(&'a [AffinityMatchKey4]),
     PutMatches6(&'a [AffinityMatchKey6]),
     DelBackends(&'a [u32]),
@@ -314,7 +314,7 @@ impl SvcKey {
         }
     }
 
-    fn put(&self, maps: &mut impl LbMaps, val: &ServiceValue4) -> Result<(), MapError> {
+    fn put(&self, maps: &mut impl LbMaps, val: &ServiceValue) -> Result<(), MapError> {
         match self {
             SvcKey::V4(k) => maps.put_service(k, val),
             SvcKey::V6(k) => maps.put_service6(k, val),
@@ -590,9 +590,9 @@ pub fn backend_from_value6(v: &Backend6) -> Backend {
 pub struct MapDump {
     /// `GN_SVCNET` entries.
     pub service_nets: Vec<(Cidr, ServiceNet)>,
-    pub services: Vec<(ServiceKey4, ServiceValue4)>,
+    pub services: Vec<(ServiceKey4, ServiceValue)>,
     pub backends: Vec<(u32, Backend4)>,
-    pub services6: Vec<(ServiceKey6, ServiceValue4)>,
+    pub services6: Vec<(ServiceKey6, ServiceValue)>,
     pub backends6: Vec<(u32, Backend6)>,
     pub ranges: Vec<RangeKey>,
 }
@@ -603,7 +603,7 @@ type FeId = (IpAddr, u16, u8, u8);
 
 /// Both families' service entries and backends in one family-neutral shape.
 struct Flat {
-    masters: BTreeMap<FeId, ServiceValue4>,
+    masters: BTreeMap<FeId, ServiceValue>,
     slots: HashMap<FeId, BTreeMap<u16, u32>>,
     be4: HashMap<u32, Backend>,
     be6: HashMap<u32, Backend>,
@@ -613,7 +613,7 @@ impl Flat {
     fn of(d: &MapDump) -> Flat {
         let mut masters = BTreeMap::new();
         let mut slots: HashMap<FeId, BTreeMap<u16, u32>> = HashMap::new();
-        let mut add = |id: FeId, slot: u16, v: &ServiceValue4| {
+        let mut add = |id: FeId, slot: u16, v: &ServiceValue| {
             if slot == 0 {
                 masters.insert(id, *v);
             } else {
@@ -888,7 +888,7 @@ impl LbState {
                 continue;
             }
             let slot = (i + 1) as u16;
-            let val = ServiceValue4 { backend_id: *id, ..Default::default() };
+            let val = ServiceValue { backend_id: *id, ..Default::default() };
             if let Err(e) = key.with_slot(slot).put(maps, &val) {
                 self.rollback_slots(maps, &key, &old_slots, &written);
                 self.forget_created(maps, created);
@@ -917,7 +917,7 @@ impl LbState {
         }
 
         // 3. Publish.
-        let master = ServiceValue4 { backend_id: 0, count: new_slots.len() as u16, flags: master_flags(spec), affinity_timeout: spec.affinity_timeout };
+        let master = ServiceValue { backend_id: 0, count: new_slots.len() as u16, flags: master_flags(spec), affinity_timeout: spec.affinity_timeout };
         if let Err(e) = key.put(maps, &master) {
             self.rollback_slots(maps, &key, &old_slots, &written);
             self.forget_created(maps, created);
@@ -1039,7 +1039,7 @@ impl LbState {
         for slot in written {
             let i = *slot as usize - 1;
             let r = match old.get(i) {
-                Some(id) => key.with_slot(*slot).put(maps, &ServiceValue4 { backend_id: *id, ..Default::default() }),
+                Some(id) => key.with_slot(*slot).put(maps, &ServiceValue { backend_id: *id, ..Default::default() }),
                 None => key.with_slot(*slot).del(maps),
             };
             if let Err(e) = r {
@@ -1093,10 +1093,10 @@ pub fn plan_slots(old: &[u32], wanted: &[u32]) -> Vec<u32> {
 /// slots resolve to existing backends, and can be told to fail when "full".
 #[derive(Debug, Default)]
 pub struct MemMaps {
-    pub services: HashMap<ServiceKey4, ServiceValue4>,
+    pub services: HashMap<ServiceKey4, ServiceValue>,
     pub backends: HashMap<u32, Backend4>,
     pub matches: BTreeSet<(u32, u32, u16, u8)>,
-    pub services6: HashMap<ServiceKey6, ServiceValue4>,
+    pub services6: HashMap<ServiceKey6, ServiceValue>,
     pub backends6: HashMap<u32, Backend6>,
     pub matches6: BTreeSet<AffinityMatchKey6>,
     pub ranges: BTreeSet<RangeKey>,
@@ -1194,7 +1194,7 @@ impl LbMaps for MemMaps {
         self.after_write();
         Ok(())
     }
-    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue4) -> Result<(), MapError> {
+    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue) -> Result<(), MapError> {
         if !self.services.contains_key(key) && self.max_services.is_some_and(|m| self.services.len() >= m) {
             return Err(MapError::Full { map: "services", op: format!("put {key:?}") });
         }
@@ -1230,7 +1230,7 @@ impl LbMaps for MemMaps {
         self.after_write();
         Ok(())
     }
-    fn put_service6(&mut self, key: &ServiceKey6, val: &ServiceValue4) -> Result<(), MapError> {
+    fn put_service6(&mut self, key: &ServiceKey6, val: &ServiceValue) -> Result<(), MapError> {
         if !self.services6.contains_key(key) && self.max_services.is_some_and(|m| self.services6.len() >= m) {
             return Err(MapError::Full { map: "services6", op: format!("put {key:?}") });
         }
@@ -1501,8 +1501,8 @@ mod tests {
     fn adopt_drops_inconsistent_frontends() {
         let mut m = MemMaps::default();
         let key = service_key(&fe(80));
-        m.services.insert(key, ServiceValue4 { count: 2, ..Default::default() });
-        m.services.insert(key.with_slot(1), ServiceValue4 { backend_id: 5, ..Default::default() });
+        m.services.insert(key, ServiceValue { count: 2, ..Default::default() });
+        m.services.insert(key.with_slot(1), ServiceValue { backend_id: 5, ..Default::default() });
         m.backends.insert(5, backend_value(&be(1), Proto::Tcp));
         let st = LbState::adopt(&m.dump());
         assert!(!st.contains(&fe(80)));
@@ -1832,7 +1832,7 @@ mod tests {
     fn dump_reports_dangling_slots() {
         let mut m = MemMaps::default();
         let key = service_key(&fe(80));
-        m.services.insert(key, ServiceValue4 { count: 1, ..Default::default() });
+        m.services.insert(key, ServiceValue { count: 1, ..Default::default() });
         let d = m.dump().frontends();
         assert_eq!(d[0].dangling_slots, 1);
     }

@@ -195,12 +195,12 @@ pub const STAT_NAMES: [&str; STATS_LEN as usize] = [
     "tc_ct_insert_failed",
 ];
 
-/// Key of `GN_SVC4`.
+/// Key of `GN_SVC4` (`A` = `u32`) and `GN_SVC6` (`A` = `Ip6`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ServiceKey4 {
-    /// Frontend IPv4 address, network byte order.
-    pub addr: u32,
+pub struct ServiceKey<A> {
+    /// Frontend address, network byte order.
+    pub addr: A,
     /// Frontend port, network byte order.
     pub port: u16,
     pub proto: u8,
@@ -210,10 +210,10 @@ pub struct ServiceKey4 {
     pub _pad: u16,
 }
 
-/// Value of `GN_SVC4`.
+/// Value of `GN_SVC4` and `GN_SVC6`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ServiceValue4 {
+pub struct ServiceValue {
     /// Backend id (backend slots only).
     pub backend_id: u32,
     /// Number of backend slots (master only). Zero means "reject".
@@ -224,11 +224,11 @@ pub struct ServiceValue4 {
     pub affinity_timeout: u32,
 }
 
-/// Value of `GN_BE4`, keyed by backend id (`u32`).
+/// Value of `GN_BE4`/`GN_BE6`, keyed by backend id (`u32`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Backend4 {
-    pub addr: u32,
+pub struct Backend<A> {
+    pub addr: A,
     pub port: u16,
     pub proto: u8,
     pub flags: u8,
@@ -245,22 +245,22 @@ pub struct SockRevNatKey4 {
     pub _pad: u16,
 }
 
-/// Value of `GN_SK_RNAT4`: the frontend the application asked for.
+/// Value of `GN_SK_RNAT4`/`GN_SK_RNAT6`: the frontend the application asked for.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SockRevNatValue4 {
-    pub addr: u32,
+pub struct SockRevNatValue<A> {
+    pub addr: A,
     pub port: u16,
     pub _pad: u16,
 }
 
-/// Key of `GN_CT4` (LRU). Forward entries are keyed by the packet as the client sent it,
-/// reply entries by the packet as the backend sends it back.
+/// Key of `GN_CT4`/`GN_CT6` (LRU). Forward entries are keyed by the packet as the client
+/// sent it, reply entries by the packet as the backend sends it back.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct CtKey4 {
-    pub saddr: u32,
-    pub daddr: u32,
+pub struct CtKey<A> {
+    pub saddr: A,
+    pub daddr: A,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
@@ -294,20 +294,20 @@ pub struct AffinityKey4 {
 /// Value of `GN_AFF4`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AffinityValue4 {
+pub struct AffinityValue {
     pub backend_id: u32,
     pub _pad: u32,
     pub last_used_ns: u64,
 }
 
-/// Key of `GN_AFFMATCH4` (value `u8`, always 1): backend `backend_id` currently belongs to
-/// the frontend. Written by userspace for frontends with affinity, so a remembered backend
-/// that left the Service is never chosen again.
+/// Key of `GN_AFFMATCH4`/`GN_AFFMATCH6` (value `u8`, always 1): backend `backend_id`
+/// currently belongs to the frontend. Written by userspace for frontends with affinity, so a
+/// remembered backend that left the Service is never chosen again.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct AffinityMatchKey4 {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AffinityMatchKey<A> {
     pub backend_id: u32,
-    pub addr: u32,
+    pub addr: A,
     pub port: u16,
     pub proto: u8,
     /// The frontend entry set's scope (`SCOPE_*`): a backend may belong to one and not the other.
@@ -318,27 +318,21 @@ pub struct AffinityMatchKey4 {
 /// `bpf_sock_addr.user_ip6` and of the address bytes in a packet).
 pub type Ip6 = [u32; 4];
 
-/// Key of `GN_SVC6` (see `ServiceKey4`); the value is `ServiceValue4`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ServiceKey6 {
-    pub addr: Ip6,
-    pub port: u16,
-    pub proto: u8,
-    pub scope: u8,
-    pub slot: u16,
-    pub _pad: u16,
-}
-
-/// Value of `GN_BE6`, keyed by backend id (`u32`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Backend6 {
-    pub addr: Ip6,
-    pub port: u16,
-    pub proto: u8,
-    pub flags: u8,
-}
+// The same shapes for both families (an IPv4 and an IPv6 address are the only difference,
+// and both are arrays of 32-bit words, so no layout gets a hole): one generic type, named per
+// family where a map needs a concrete one.
+pub type ServiceKey4 = ServiceKey<u32>;
+pub type ServiceKey6 = ServiceKey<Ip6>;
+pub type Backend4 = Backend<u32>;
+pub type Backend6 = Backend<Ip6>;
+pub type SockRevNatValue4 = SockRevNatValue<u32>;
+pub type SockRevNatValue6 = SockRevNatValue<Ip6>;
+pub type CtKey4 = CtKey<u32>;
+pub type CtKey6 = CtKey<Ip6>;
+pub type AffinityMatchKey4 = AffinityMatchKey<u32>;
+pub type AffinityMatchKey6 = AffinityMatchKey<Ip6>;
+pub type SourceRange4 = SourceRange<u32>;
+pub type SourceRange6 = SourceRange<Ip6>;
 
 /// Key of `GN_SK_RNAT6`.
 #[repr(C)]
@@ -349,28 +343,6 @@ pub struct SockRevNatKey6 {
     pub port: u16,
     pub _pad: u16,
     pub _pad2: u32,
-}
-
-/// Value of `GN_SK_RNAT6`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SockRevNatValue6 {
-    pub addr: Ip6,
-    pub port: u16,
-    pub _pad: u16,
-}
-
-/// Key of `GN_CT6` (LRU), as `CtKey4`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct CtKey6 {
-    pub saddr: Ip6,
-    pub daddr: Ip6,
-    pub sport: u16,
-    pub dport: u16,
-    pub proto: u8,
-    pub dir: u8,
-    pub _pad: u16,
 }
 
 /// Value of `GN_CT6`, as `CtValue4`.
@@ -384,7 +356,7 @@ pub struct CtValue6 {
     pub last_seen_ns: u64,
 }
 
-/// Key of `GN_AFF6` (LRU); the value is `AffinityValue4`.
+/// Key of `GN_AFF6` (LRU); the value is `AffinityValue`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct AffinityKey6 {
@@ -397,55 +369,35 @@ pub struct AffinityKey6 {
     pub kind: u8,
 }
 
-/// Data of a `GN_SRCRANGE4` key (LPM trie, value `u8` 1): the frontend, matched whole, then
-/// an allowed client prefix. The key's prefix length is `SOURCE_RANGE_FE_BITS4` + the
-/// prefix length of the client range; lookups use the full length.
+/// Data of a `GN_SRCRANGE4`/`GN_SRCRANGE6` key (LPM trie, value `u8` 1): the frontend,
+/// matched whole, then an allowed client prefix. The key's prefix length is
+/// `SOURCE_RANGE_FE_BITS4`/`6` + the prefix length of the client range; lookups use the full
+/// length.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SourceRange4 {
-    pub fe_addr: u32,
+pub struct SourceRange<A> {
+    pub fe_addr: A,
     pub fe_port: u16,
     pub proto: u8,
     pub _pad: u8,
-    pub client: u32,
+    pub client: A,
 }
 pub const SOURCE_RANGE_FE_BITS4: u32 = 64;
 
-/// IPv6 twin of `SourceRange4`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SourceRange6 {
-    pub fe_addr: Ip6,
-    pub fe_port: u16,
-    pub proto: u8,
-    pub _pad: u8,
-    pub client: Ip6,
-}
 pub const SOURCE_RANGE_FE_BITS6: u32 = 160;
-
-/// Key of `GN_AFFMATCH6` (value `u8`, always 1), as `AffinityMatchKey4`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AffinityMatchKey6 {
-    pub backend_id: u32,
-    pub addr: Ip6,
-    pub port: u16,
-    pub proto: u8,
-    pub scope: u8,
-}
 
 // No padding holes: the kernel compares keys bytewise, so an uninitialised hole would make
 // equal keys miss each other.
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey4>() == 12);
-    assert!(core::mem::size_of::<ServiceValue4>() == 12);
+    assert!(core::mem::size_of::<ServiceValue>() == 12);
     assert!(core::mem::size_of::<Backend4>() == 8);
     assert!(core::mem::size_of::<SockRevNatKey4>() == 16);
     assert!(core::mem::size_of::<SockRevNatValue4>() == 8);
     assert!(core::mem::size_of::<CtKey4>() == 16);
     assert!(core::mem::size_of::<CtValue4>() == 16);
     assert!(core::mem::size_of::<AffinityKey4>() == 16);
-    assert!(core::mem::size_of::<AffinityValue4>() == 16);
+    assert!(core::mem::size_of::<AffinityValue>() == 16);
     assert!(core::mem::size_of::<AffinityMatchKey4>() == 12);
     assert!(core::mem::size_of::<ServiceKey6>() == 24);
     assert!(core::mem::size_of::<Backend6>() == 20);
@@ -464,14 +416,14 @@ mod pod {
     use super::*;
     // SAFETY: plain old data, repr(C), no padding, every bit pattern valid.
     unsafe impl aya::Pod for ServiceKey4 {}
-    unsafe impl aya::Pod for ServiceValue4 {}
+    unsafe impl aya::Pod for ServiceValue {}
     unsafe impl aya::Pod for Backend4 {}
     unsafe impl aya::Pod for SockRevNatKey4 {}
     unsafe impl aya::Pod for SockRevNatValue4 {}
     unsafe impl aya::Pod for CtKey4 {}
     unsafe impl aya::Pod for CtValue4 {}
     unsafe impl aya::Pod for AffinityKey4 {}
-    unsafe impl aya::Pod for AffinityValue4 {}
+    unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for AffinityMatchKey4 {}
     unsafe impl aya::Pod for ServiceKey6 {}
     unsafe impl aya::Pod for Backend6 {}
@@ -485,33 +437,18 @@ mod pod {
     unsafe impl aya::Pod for SourceRange6 {}
 }
 
-impl ServiceKey4 {
+impl<A: Copy> ServiceKey<A> {
     /// Key of a frontend's master entry (addr/port already in network byte order).
-    pub const fn master(addr: u32, port: u16, proto: u8) -> Self {
-        ServiceKey4 { addr, port, proto, scope: SCOPE_ALL, slot: 0, _pad: 0 }
+    pub const fn master(addr: A, port: u16, proto: u8) -> Self {
+        ServiceKey { addr, port, proto, scope: SCOPE_ALL, slot: 0, _pad: 0 }
     }
 
     pub const fn with_slot(self, slot: u16) -> Self {
-        ServiceKey4 { slot, ..self }
+        ServiceKey { slot, ..self }
     }
 
     pub const fn with_scope(self, scope: u8) -> Self {
-        ServiceKey4 { scope, ..self }
-    }
-}
-
-impl ServiceKey6 {
-    /// Key of a frontend's master entry (addr/port already in network byte order).
-    pub const fn master(addr: Ip6, port: u16, proto: u8) -> Self {
-        ServiceKey6 { addr, port, proto, scope: SCOPE_ALL, slot: 0, _pad: 0 }
-    }
-
-    pub const fn with_slot(self, slot: u16) -> Self {
-        ServiceKey6 { slot, ..self }
-    }
-
-    pub const fn with_scope(self, scope: u8) -> Self {
-        ServiceKey6 { scope, ..self }
+        ServiceKey { scope, ..self }
     }
 }
 

@@ -24,7 +24,7 @@ pub trait Family {
     fn master_key(addr: Self::Addr, port: u16, proto: u8) -> Self::SvcKey;
     fn with_slot(k: Self::SvcKey, slot: u16) -> Self::SvcKey;
     fn with_scope(k: Self::SvcKey, scope: u8) -> Self::SvcKey;
-    fn service(k: &Self::SvcKey) -> Option<&'static ServiceValue4>;
+    fn service(k: &Self::SvcKey) -> Option<&'static ServiceValue>;
     fn backend(id: u32) -> Option<&'static Self::Backend>;
     /// A backend's address and port.
     fn endpoint(b: &Self::Backend) -> (Self::Addr, u16);
@@ -35,8 +35,8 @@ pub trait Family {
     fn netns_client(cookie: u64) -> Self::Client;
     fn addr_client(a: Self::Addr) -> Self::Client;
     /// The affinity entry of `client` for the frontend of `k`, if any.
-    fn affinity(client: Self::Client, k: &Self::SvcKey, kind: u8) -> Option<*mut AffinityValue4>;
-    fn remember_affinity(client: Self::Client, k: &Self::SvcKey, kind: u8, v: &AffinityValue4);
+    fn affinity(client: Self::Client, k: &Self::SvcKey, kind: u8) -> Option<*mut AffinityValue>;
+    fn remember_affinity(client: Self::Client, k: &Self::SvcKey, kind: u8, v: &AffinityValue);
     /// Whether backend `id` still belongs to the frontend entry set of `k` (`GN_AFFMATCH*`).
     fn belongs(id: u32, k: &Self::SvcKey) -> bool;
     /// Socket LB's reverse translation of a socket: backend -> frontend it asked for.
@@ -65,7 +65,7 @@ impl Family for V4 {
         k.with_scope(scope)
     }
     #[inline(always)]
-    fn service(k: &ServiceKey4) -> Option<&'static ServiceValue4> {
+    fn service(k: &ServiceKey4) -> Option<&'static ServiceValue> {
         unsafe { GN_SVC4.get(k) }
     }
     #[inline(always)]
@@ -94,11 +94,11 @@ impl Family for V4 {
         a as u64
     }
     #[inline(always)]
-    fn affinity(client: u64, k: &ServiceKey4, kind: u8) -> Option<*mut AffinityValue4> {
+    fn affinity(client: u64, k: &ServiceKey4, kind: u8) -> Option<*mut AffinityValue> {
         GN_AFF4.get_ptr_mut(&AffinityKey4 { client, addr: k.addr, port: k.port, proto: k.proto, kind })
     }
     #[inline(always)]
-    fn remember_affinity(client: u64, k: &ServiceKey4, kind: u8, v: &AffinityValue4) {
+    fn remember_affinity(client: u64, k: &ServiceKey4, kind: u8, v: &AffinityValue) {
         let _ = GN_AFF4.insert(&AffinityKey4 { client, addr: k.addr, port: k.port, proto: k.proto, kind }, v, 0);
     }
     #[inline(always)]
@@ -147,7 +147,7 @@ impl Family for V6 {
         k.with_scope(scope)
     }
     #[inline(always)]
-    fn service(k: &ServiceKey6) -> Option<&'static ServiceValue4> {
+    fn service(k: &ServiceKey6) -> Option<&'static ServiceValue> {
         unsafe { GN_SVC6.get(k) }
     }
     #[inline(always)]
@@ -177,11 +177,11 @@ impl Family for V6 {
         a
     }
     #[inline(always)]
-    fn affinity(client: Ip6, k: &ServiceKey6, kind: u8) -> Option<*mut AffinityValue4> {
+    fn affinity(client: Ip6, k: &ServiceKey6, kind: u8) -> Option<*mut AffinityValue> {
         GN_AFF6.get_ptr_mut(&AffinityKey6 { client, addr: k.addr, port: k.port, proto: k.proto, kind })
     }
     #[inline(always)]
-    fn remember_affinity(client: Ip6, k: &ServiceKey6, kind: u8, v: &AffinityValue4) {
+    fn remember_affinity(client: Ip6, k: &ServiceKey6, kind: u8, v: &AffinityValue) {
         let _ = GN_AFF6.insert(&AffinityKey6 { client, addr: k.addr, port: k.port, proto: k.proto, kind }, v, 0);
     }
     #[inline(always)]

@@ -17,7 +17,7 @@ use family::Family;
 use gardenet_common::*;
 
 #[map]
-static GN_SVC4: HashMap<ServiceKey4, ServiceValue4> = HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
+static GN_SVC4: HashMap<ServiceKey4, ServiceValue> = HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
 
 #[map]
 static GN_BE4: HashMap<u32, Backend4> = HashMap::pinned(DEFAULT_BACKENDS_MAX, 0);
@@ -29,13 +29,13 @@ static GN_SK_RNAT4: LruHashMap<SockRevNatKey4, SockRevNatValue4> = LruHashMap::p
 static GN_CT4: LruHashMap<CtKey4, CtValue4> = LruHashMap::pinned(DEFAULT_CT_MAX, 0);
 
 #[map]
-static GN_AFF4: LruHashMap<AffinityKey4, AffinityValue4> = LruHashMap::pinned(DEFAULT_AFFINITY_MAX, 0);
+static GN_AFF4: LruHashMap<AffinityKey4, AffinityValue> = LruHashMap::pinned(DEFAULT_AFFINITY_MAX, 0);
 
 #[map]
 static GN_AFFMATCH4: HashMap<AffinityMatchKey4, u8> = HashMap::pinned(DEFAULT_AFFINITY_MATCH_MAX, 0);
 
 #[map]
-static GN_SVC6: HashMap<ServiceKey6, ServiceValue4> = HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
+static GN_SVC6: HashMap<ServiceKey6, ServiceValue> = HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
 
 #[map]
 static GN_BE6: HashMap<u32, Backend6> = HashMap::pinned(DEFAULT_BACKENDS_MAX, 0);
@@ -47,7 +47,7 @@ static GN_SK_RNAT6: LruHashMap<SockRevNatKey6, SockRevNatValue6> = LruHashMap::p
 static GN_CT6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(DEFAULT_CT_MAX, 0);
 
 #[map]
-static GN_AFF6: LruHashMap<AffinityKey6, AffinityValue4> = LruHashMap::pinned(DEFAULT_AFFINITY_MAX, 0);
+static GN_AFF6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::pinned(DEFAULT_AFFINITY_MAX, 0);
 
 #[map]
 static GN_AFFMATCH6: HashMap<AffinityMatchKey6, u8> = HashMap::pinned(DEFAULT_AFFINITY_MATCH_MAX, 0);
@@ -87,7 +87,7 @@ fn stat(s: Stat) {
 /// says there is one (external frontends of `externalTrafficPolicy: Local` Services: clients
 /// on this node get the cluster-wide endpoints, as with kube-proxy), else the master's.
 #[inline(always)]
-fn node_scope<F: Family>(key: F::SvcKey, master: &'static ServiceValue4) -> (F::SvcKey, &'static ServiceValue4) {
+fn node_scope<F: Family>(key: F::SvcKey, master: &'static ServiceValue) -> (F::SvcKey, &'static ServiceValue) {
     if master.flags & SVC_FLAG_TWO_SCOPES != 0 {
         let k = F::with_scope(key, SCOPE_THIS_NODE);
         if let Some(m) = F::service(&k) {
@@ -101,7 +101,7 @@ fn node_scope<F: Family>(key: F::SvcKey, master: &'static ServiceValue4) -> (F::
 /// `None` when the frontend has no backends (the caller rejects) or the table is being
 /// rewritten under us and a slot is missing (should not happen: slots are written first).
 #[inline(always)]
-fn select_backend<F: Family>(key: &F::SvcKey, master: &ServiceValue4) -> Option<(u32, F::Backend)> {
+fn select_backend<F: Family>(key: &F::SvcKey, master: &ServiceValue) -> Option<(u32, F::Backend)> {
     let count = master.count as u32;
     if count == 0 {
         return None;
@@ -116,7 +116,7 @@ fn select_backend<F: Family>(key: &F::SvcKey, master: &ServiceValue4) -> Option<
 /// frontend within the timeout gets it again, as long as the backend still belongs to the
 /// frontend (the match map) and exists.
 #[inline(always)]
-fn select_backend_affine<F: Family>(key: &F::SvcKey, master: &ServiceValue4, client: F::Client, kind: u8) -> Option<(u32, F::Backend)> {
+fn select_backend_affine<F: Family>(key: &F::SvcKey, master: &ServiceValue, client: F::Client, kind: u8) -> Option<(u32, F::Backend)> {
     if master.affinity_timeout == 0 {
         return select_backend::<F>(key, master);
     }
@@ -133,7 +133,7 @@ fn select_backend_affine<F: Family>(key: &F::SvcKey, master: &ServiceValue4, cli
         }
     }
     let (id, be) = select_backend::<F>(key, master)?;
-    F::remember_affinity(client, key, kind, &AffinityValue4 { backend_id: id, _pad: 0, last_used_ns: now });
+    F::remember_affinity(client, key, kind, &AffinityValue { backend_id: id, _pad: 0, last_used_ns: now });
     Some((id, be))
 }
 

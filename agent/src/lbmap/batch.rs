@@ -39,7 +39,7 @@ struct List<K, V> {
     keys: Vec<K>,
     vals: Vec<V>,
     /// Service entries: the value before the write (None: the key did not exist).
-    old: Vec<Option<ServiceValue4>>,
+    old: Vec<Option<ServiceValue>>,
     op: Vec<usize>,
 }
 
@@ -50,7 +50,7 @@ impl<K, V> Default for List<K, V> {
 }
 
 impl<K, V> List<K, V> {
-    fn push(&mut self, op: usize, k: K, v: V, old: Option<ServiceValue4>) {
+    fn push(&mut self, op: usize, k: K, v: V, old: Option<ServiceValue>) {
         self.keys.push(k);
         self.vals.push(v);
         self.old.push(old);
@@ -63,12 +63,12 @@ impl<K, V> List<K, V> {
 struct Lists {
     be4: List<u32, Backend4>,
     be6: List<u32, Backend6>,
-    slots4: List<ServiceKey4, ServiceValue4>,
-    slots6: List<ServiceKey6, ServiceValue4>,
+    slots4: List<ServiceKey4, ServiceValue>,
+    slots6: List<ServiceKey6, ServiceValue>,
     match4: List<AffinityMatchKey4, ()>,
     match6: List<AffinityMatchKey6, ()>,
-    masters4: List<ServiceKey4, ServiceValue4>,
-    masters6: List<ServiceKey6, ServiceValue4>,
+    masters4: List<ServiceKey4, ServiceValue>,
+    masters6: List<ServiceKey6, ServiceValue>,
     /// Masters of deleted frontends (`old` is the master, to put back on undo).
     gone4: List<ServiceKey4, ()>,
     gone6: List<ServiceKey6, ()>,
@@ -407,8 +407,8 @@ impl LbState {
                 continue;
             }
             let slot = (i + 1) as u16;
-            let val = ServiceValue4 { backend_id: *id, ..Default::default() };
-            let was = old_slots.get(i).map(|b| ServiceValue4 { backend_id: *b, ..Default::default() });
+            let val = ServiceValue { backend_id: *id, ..Default::default() };
+            let was = old_slots.get(i).map(|b| ServiceValue { backend_id: *b, ..Default::default() });
             match key.with_slot(slot) {
                 SvcKey::V4(k) => l.slots4.push(op, k, val, was),
                 SvcKey::V6(k) => l.slots6.push(op, k, val, was),
@@ -431,7 +431,7 @@ impl LbState {
         }
 
         let flags = master_flags(spec);
-        let master = ServiceValue4 { backend_id: 0, count: new_slots.len() as u16, flags, affinity_timeout: spec.affinity_timeout };
+        let master = ServiceValue { backend_id: 0, count: new_slots.len() as u16, flags, affinity_timeout: spec.affinity_timeout };
         let was = old.as_ref().map(master_value);
         match key {
             SvcKey::V4(k) => l.masters4.push(op, k, master, was),
@@ -482,8 +482,8 @@ impl LbState {
     }
 }
 
-fn master_value(p: &Programmed) -> ServiceValue4 {
-    ServiceValue4 { backend_id: 0, count: p.slots.len() as u16, flags: p.flags, affinity_timeout: p.affinity_timeout }
+fn master_value(p: &Programmed) -> ServiceValue {
+    ServiceValue { backend_id: 0, count: p.slots.len() as u16, flags: p.flags, affinity_timeout: p.affinity_timeout }
 }
 
 fn push_unmatch(l: &mut Lists, op: usize, key: &SvcKey, id: u32) {

@@ -35,8 +35,8 @@ pub fn maps_from_dump(d: &MapDump) -> Maps {
     let mut m = Maps::default();
     let be4: HashMap<u32, Backend4> = d.backends.iter().copied().collect();
     let be6: HashMap<u32, Backend6> = d.backends6.iter().copied().collect();
-    let s4: HashMap<ServiceKey4, ServiceValue4> = d.services.iter().copied().collect();
-    let s6: HashMap<ServiceKey6, ServiceValue4> = d.services6.iter().copied().collect();
+    let s4: HashMap<ServiceKey4, ServiceValue> = d.services.iter().copied().collect();
+    let s6: HashMap<ServiceKey6, ServiceValue> = d.services6.iter().copied().collect();
     for (k, v) in &s4 {
         if k.slot != 0 || k.scope != SCOPE_ALL {
             continue;
