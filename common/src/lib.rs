@@ -452,6 +452,12 @@ impl<A: Copy> ServiceKey<A> {
     }
 }
 
+impl<A: Copy> CtKey<A> {
+    pub const fn new(saddr: A, daddr: A, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
+        CtKey { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
+    }
+}
+
 /// The 16 address bytes (as in a packet) as `Ip6` words.
 pub const fn ip6_from_octets(o: [u8; 16]) -> Ip6 {
     [

@@ -87,9 +87,9 @@ fn stat(s: Stat) {
 /// says there is one (external frontends of `externalTrafficPolicy: Local` Services: clients
 /// on this node get the cluster-wide endpoints, as with kube-proxy), else the master's.
 #[inline(always)]
-fn node_scope<F: Family>(key: F::SvcKey, master: &'static ServiceValue) -> (F::SvcKey, &'static ServiceValue) {
+fn node_scope<F: Family>(key: ServiceKey<F::Addr>, master: &'static ServiceValue) -> (ServiceKey<F::Addr>, &'static ServiceValue) {
     if master.flags & SVC_FLAG_TWO_SCOPES != 0 {
-        let k = F::with_scope(key, SCOPE_THIS_NODE);
+        let k = key.with_scope(SCOPE_THIS_NODE);
         if let Some(m) = F::service(&k) {
             return (k, m);
         }
@@ -101,13 +101,13 @@ fn node_scope<F: Family>(key: F::SvcKey, master: &'static ServiceValue) -> (F::S
 /// `None` when the frontend has no backends (the caller rejects) or the table is being
 /// rewritten under us and a slot is missing (should not happen: slots are written first).
 #[inline(always)]
-fn select_backend<F: Family>(key: &F::SvcKey, master: &ServiceValue) -> Option<(u32, F::Backend)> {
+fn select_backend<F: Family>(key: &ServiceKey<F::Addr>, master: &ServiceValue) -> Option<(u32, Backend<F::Addr>)> {
     let count = master.count as u32;
     if count == 0 {
         return None;
     }
     let slot = (unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() } % count) as u16 + 1;
-    let sv = F::service(&F::with_slot(*key, slot))?;
+    let sv = F::service(&key.with_slot(slot))?;
     let be = F::backend(sv.backend_id)?;
     Some((sv.backend_id, *be))
 }
@@ -116,7 +116,7 @@ fn select_backend<F: Family>(key: &F::SvcKey, master: &ServiceValue) -> Option<(
 /// frontend within the timeout gets it again, as long as the backend still belongs to the
 /// frontend (the match map) and exists.
 #[inline(always)]
-fn select_backend_affine<F: Family>(key: &F::SvcKey, master: &ServiceValue, client: F::Client, kind: u8) -> Option<(u32, F::Backend)> {
+fn select_backend_affine<F: Family>(key: &ServiceKey<F::Addr>, master: &ServiceValue, client: F::Client, kind: u8) -> Option<(u32, Backend<F::Addr>)> {
     if master.affinity_timeout == 0 {
         return select_backend::<F>(key, master);
     }

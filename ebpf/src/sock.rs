@@ -177,7 +177,7 @@ fn fwd6<const RETVAL: bool>(ctx: &SockAddrContext) -> i32 {
 fn xlate_fwd<F: Family, D: Dst<F>, const RETVAL: bool>(ctx: &SockAddrContext, sa: &mut bpf_sock_addr, proto: u8) -> i32 {
     let vip = D::load(sa);
     let vport = sa.user_port as u16;
-    let key = F::master_key(vip, vport, proto);
+    let key = ServiceKey::master(vip, vport, proto);
     let Some(master) = F::service(&key) else {
         return unknown_frontend::<RETVAL>(service_net(F::net_key(vip)));
     };
@@ -187,7 +187,7 @@ fn xlate_fwd<F: Family, D: Dst<F>, const RETVAL: bool>(ctx: &SockAddrContext, sa
     let Some((_, be)) = select_backend_affine::<F>(&key, master, F::netns_client(netns), AFF_CLIENT_NETNS) else {
         return refuse::<RETVAL>(master.flags);
     };
-    let (addr, port) = F::endpoint(&be);
+    let (addr, port) = (be.addr, be.port);
     D::store(sa, addr);
     sa.user_port = port as u32;
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };

@@ -98,7 +98,7 @@ fn verdict<F: Family>(ctx: &Pkt, proto: u8, saddr: F::Addr, daddr: F::Addr, l4: 
     // SAFETY: [base, base + 4) checked just above; the verifier carries the proven range only
     // along constant offsets from the pointer that was checked, hence one base.
     let (sport, dport) = unsafe { (core::ptr::read_unaligned(base as *const u16), core::ptr::read_unaligned((base + 2) as *const u16)) };
-    let master = F::service(&F::master_key(daddr, dport, proto))?;
+    let master = F::service(&ServiceKey::master(daddr, dport, proto))?;
     if master.count != 0 {
         return None; // served by TC LB (the NodePort fast path in XDP is future work)
     }
