@@ -5,6 +5,7 @@
 #![no_main]
 
 mod family;
+mod headers;
 mod sock;
 mod tc;
 mod xdp;

@@ -14,10 +14,10 @@ use gardenet_common::*;
 use network_types::tcp::TcpHdr;
 
 use super::{
-    l3::{ETH_HLEN, ICMP_CSUM_OFF, L3},
+    l3::{ICMP_CSUM_OFF, L3},
     PASS,
 };
-use crate::stat;
+use crate::{headers::ETH_HLEN, stat};
 
 /// Called from the hook, not from inside the flow path: its frame must not add to that one.
 #[inline(never)]

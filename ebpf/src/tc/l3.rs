@@ -1,7 +1,7 @@
-//! What TC LB needs to know of an IPv4 or IPv6 packet, and nothing else: where the
-//! addresses are, how a TCP/UDP flow is found, which checksums an address change touches,
-//! the TTL, the FIB lookup's parameters and the shape of an ICMP error. Offsets come from
-//! `network-types`' header structs.
+//! What TC LB needs to know of an IPv4 or IPv6 packet beyond finding its flow
+//! (`headers.rs`): which checksums an address change touches, the TTL, the FIB lookup's
+//! parameters and the shape of an ICMP error. Offsets come from `network-types`' header
+//! structs.
 use core::mem::offset_of;
 
 use aya_ebpf::{bindings::bpf_fib_lookup as FibParams, programs::TcContext};
@@ -11,24 +11,20 @@ use network_types::{
     ip::{IpProto, Ipv4Hdr, Ipv6Hdr},
 };
 
-use super::{Flow, Hdr, BPF_F_PSEUDO_HDR, TCP_FLAGS_OFF};
-use crate::family::{Family, V4, V6};
+use super::BPF_F_PSEUDO_HDR;
+use crate::{
+    family::{V4, V6},
+    headers::{ipv4_ihl, is_l4, Headers, ETH_HLEN, IP_FRAG_MASK},
+};
 
-pub const ETH_HLEN: usize = EthHdr::LEN;
 const ETH_TYPE_OFF: usize = offset_of!(EthHdr, ether_type);
 const IP_CSUM_OFF: usize = ETH_HLEN + offset_of!(Ipv4Hdr, check);
 
 /// The layout of a family's IP header, as TC LB uses it.
-pub trait L3: Family {
-    /// Offsets of the source and destination address within the IP header.
-    const SADDR: usize;
-    const DADDR: usize;
+pub trait L3: Headers {
     /// `AF_INET`/`AF_INET6`, for the FIB lookup.
     const AF: u8;
 
-    /// A TCP or UDP flow of this family, or `None` (another family or protocol, a fragment,
-    /// headers this program does not walk).
-    fn parse(h: &Hdr) -> Option<Flow<Self>>;
     /// Writes address `new` over `old` at packet offset `off`, keeping the IPv4 header
     /// checksum and the L4 checksum at `csum` (through the pseudo header) right.
     fn rewrite_addr(ctx: &TcContext, csum: usize, csum_flags: u64, off: usize, old: Self::Addr, new: Self::Addr) -> Option<()>;
@@ -58,26 +54,6 @@ pub struct Quote {
     pub iproto: u8,
 }
 
-/// The packet's EtherType, as stored (big endian).
-#[inline(always)]
-pub fn ether_type(h: &Hdr) -> Option<u16> {
-    h.load::<u16>(ETH_TYPE_OFF)
-}
-
-#[inline(always)]
-fn is_l4(proto: u8) -> bool {
-    proto == PROTO_TCP || proto == PROTO_UDP
-}
-
-#[inline(always)]
-fn tcp_flags(h: &Hdr, proto: u8, l4: usize) -> Option<u8> {
-    if proto == PROTO_TCP {
-        h.load::<u8>(l4 + TCP_FLAGS_OFF)
-    } else {
-        Some(0)
-    }
-}
-
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMPV6_DEST_UNREACH: u8 = 1;
@@ -87,40 +63,8 @@ const ICMPV6_TIME_EXCEED: u8 = 3;
 const ICMP_QUOTE_OFF: usize = 8;
 pub const ICMP_CSUM_OFF: usize = 2;
 
-/// IPv4's header length from the version/IHL byte, or `None` for anything but a valid IPv4
-/// header.
-#[inline(always)]
-fn ipv4_ihl(vihl: u8) -> Option<usize> {
-    let ihl = ((vihl & 0x0f) as usize) * 4;
-    (vihl >> 4 == 4 && ihl >= Ipv4Hdr::LEN).then_some(ihl & 0x3c)
-}
-
-/// Fragments: only the first carries ports; all of them are left to the stack.
-const IP_FRAG_MASK: u16 = 0x3fff;
-
 impl L3 for V4 {
-    const SADDR: usize = offset_of!(Ipv4Hdr, src_addr);
-    const DADDR: usize = offset_of!(Ipv4Hdr, dst_addr);
     const AF: u8 = 2;
-
-    #[inline(always)]
-    fn parse(h: &Hdr) -> Option<Flow<V4>> {
-        if ether_type(h)? != EtherType::Ipv4 as u16 {
-            return None;
-        }
-        let ihl = ipv4_ihl(h.load(ETH_HLEN)?)?;
-        if u16::from_be(h.load::<u16>(ETH_HLEN + offset_of!(Ipv4Hdr, frags))?) & IP_FRAG_MASK != 0 {
-            return None;
-        }
-        let proto: u8 = h.load(ETH_HLEN + offset_of!(Ipv4Hdr, proto))?;
-        if !is_l4(proto) {
-            return None;
-        }
-        let l4 = ETH_HLEN + ihl;
-        let tcp_flags = tcp_flags(h, proto, l4)?;
-        let (saddr, daddr) = (h.load(ETH_HLEN + Self::SADDR)?, h.load(ETH_HLEN + Self::DADDR)?);
-        Some(Flow { saddr, daddr, sport: h.load(l4)?, dport: h.load(l4 + 2)?, proto, l4, tcp_flags })
-    }
 
     #[inline(always)]
     fn rewrite_addr(ctx: &TcContext, csum: usize, csum_flags: u64, off: usize, old: u32, new: u32) -> Option<()> {
@@ -205,11 +149,6 @@ impl L3 for V4 {
 
 // IPv6: no L3 checksum; the L4 checksum covers the addresses through the pseudo header, so
 // every changed address word goes through `l4_csum_replace` with BPF_F_PSEUDO_HDR.
-// Hop-by-hop and destination options headers (up to `IP6_MAX_EXT`) are skipped to find TCP
-// or UDP; fragments, routing headers (the destination is then not the final one) and
-// anything else pass untouched, as IPv4 fragments do.
-
-const IP6_MAX_EXT: usize = 3;
 
 /// Rewrites a 16-byte address word by word into the checksum at `csum`, then stores it.
 #[inline(always)]
@@ -221,38 +160,7 @@ fn rewrite_ip6(ctx: &TcContext, csum: usize, flags: u64, off: usize, old: &Ip6, 
 }
 
 impl L3 for V6 {
-    const SADDR: usize = offset_of!(Ipv6Hdr, src_addr);
-    const DADDR: usize = offset_of!(Ipv6Hdr, dst_addr);
     const AF: u8 = 10;
-
-    #[inline(always)]
-    fn parse(h: &Hdr) -> Option<Flow<V6>> {
-        let v: u8 = h.load(ETH_HLEN)?;
-        if v >> 4 != 6 {
-            return None;
-        }
-        let mut proto: u8 = h.load(ETH_HLEN + offset_of!(Ipv6Hdr, next_hdr))?;
-        let mut l4 = ETH_HLEN + Ipv6Hdr::LEN;
-        for i in 0..IP6_MAX_EXT {
-            // Hop-by-hop options may only come first (RFC 8200 4.1; the stack drops a packet
-            // with them anywhere else, so it must not be translated either: found by the
-            // packet corpus).
-            if proto != IpProto::Ipv6Opts as u8 && !(proto == IpProto::HopOpt as u8 && i == 0) {
-                break;
-            }
-            // Both: next header, then the length in 8-octet units not counting the first 8.
-            let next: u8 = h.load(l4)?;
-            let len: u8 = h.load(l4 + 1)?;
-            proto = next;
-            l4 += (len as usize + 1) * 8;
-        }
-        if !is_l4(proto) {
-            return None;
-        }
-        let tcp_flags = tcp_flags(h, proto, l4)?;
-        let (saddr, daddr) = (h.load(ETH_HLEN + Self::SADDR)?, h.load(ETH_HLEN + Self::DADDR)?);
-        Some(Flow { saddr, daddr, sport: h.load(l4)?, dport: h.load(l4 + 2)?, proto, l4, tcp_flags })
-    }
 
     #[inline(always)]
     fn rewrite_addr(ctx: &TcContext, csum: usize, csum_flags: u64, off: usize, old: Ip6, new: Ip6) -> Option<()> {

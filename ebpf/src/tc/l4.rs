@@ -6,10 +6,8 @@ use core::mem::offset_of;
 use aya_ebpf::programs::TcContext;
 use network_types::{eth::EthHdr, tcp::TcpHdr};
 
-use super::{
-    l3::{ETH_HLEN, L3},
-    Flow, TCP_FLAGS_OFF, TCP_FLAG_ACK, TCP_FLAG_RST,
-};
+use super::l3::L3;
+use crate::headers::{Flow, ETH_HLEN, TCP_FLAGS_OFF, TCP_FLAG_ACK, TCP_FLAG_RST};
 
 /// Rewrites the destination address and port.
 #[inline(always)]

@@ -19,11 +19,12 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use gardenet_common::*;
-use l3::{ether_type, L3};
+use l3::L3;
 use network_types::{eth::EtherType, tcp::TcpHdr, udp::UdpHdr};
 
 use crate::{
     family::{Family, V4, V6},
+    headers::{ether_type, linear, Bytes, Flow, IP6_MAX_EXT},
     select_backend_affine, service_net, stat,
 };
 
@@ -31,27 +32,8 @@ use crate::{
 const PASS: i32 = -1;
 const DROP: i32 = TC_ACT_SHOT as i32;
 
-/// The TCP header's flags byte (after the data offset byte) and its flags.
-const TCP_FLAGS_OFF: usize = core::mem::offset_of!(TcpHdr, window) - 1;
-const TCP_FLAG_FIN: u8 = 0x01;
-const TCP_FLAG_SYN: u8 = 0x02;
-const TCP_FLAG_RST: u8 = 0x04;
-const TCP_FLAG_ACK: u8 = 0x10;
-
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
-
-/// A TCP or UDP packet's flow, as parsed by [`L3::parse`].
-struct Flow<F: Family> {
-    saddr: F::Addr,
-    daddr: F::Addr,
-    sport: u16,
-    dport: u16,
-    proto: u8,
-    /// Offset of the L4 header (after any IPv4 options or IPv6 extension headers).
-    l4: usize,
-    tcp_flags: u8,
-}
 
 impl<F: Family> Flow<F> {
     #[inline(always)]
@@ -72,12 +54,6 @@ impl<F: Family> Flow<F> {
     #[inline(always)]
     fn ct_key(&self, dir: u8) -> CtKey<F::Addr> {
         CtKey::new(self.saddr, self.daddr, self.sport, self.dport, self.proto, dir)
-    }
-
-    /// A SYN without ACK: the first packet of a TCP connection.
-    #[inline(always)]
-    fn fresh_syn(&self) -> bool {
-        self.proto == PROTO_TCP && self.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
     }
 }
 
@@ -107,7 +83,7 @@ const NOT_L4: i32 = i32::MIN;
 
 #[inline(never)]
 fn ingress_flow<F: L3>(ctx: &TcContext) -> i32 {
-    match F::parse(&Hdr::new(ctx)) {
+    match F::parse(&Hdr::new(ctx), IP6_MAX_EXT) {
         Some(flow) => ingress(ctx, &flow).unwrap_or(PASS),
         None => NOT_L4,
     }
@@ -124,7 +100,7 @@ pub fn gn_tc_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn egress<F: L3>(ctx: &TcContext) -> i32 {
-    match F::parse(&Hdr::new(ctx)) {
+    match F::parse(&Hdr::new(ctx), IP6_MAX_EXT) {
         Some(flow) => rev_nat(ctx, &flow).unwrap_or(PASS),
         None => PASS,
     }
@@ -149,17 +125,13 @@ impl<'a> Hdr<'a> {
     fn new(ctx: &'a TcContext) -> Self {
         Hdr { ctx, start: ctx.data(), end: ctx.data_end() }
     }
+}
 
+impl Bytes for Hdr<'_> {
     #[inline(always)]
     fn load<T: Copy>(&self, off: usize) -> Option<T> {
-        let p = self.start + off;
-        // At least 2: LLVM turns `p + 1 <= end` into `p < end`, which verifiers do not take
-        // as a proof that p[0] is in range.
-        let need = if core::mem::size_of::<T>() < 2 { 2 } else { core::mem::size_of::<T>() };
-        if p + need <= self.end {
-            // SAFETY: [p, p + size) lies within the linear data, checked just above (the
-            // verifier sees the same check against data_end).
-            return Some(unsafe { core::ptr::read_unaligned(p as *const T) });
+        if let Some(v) = linear(self.start, self.end, off) {
+            return Some(v);
         }
         self.ctx.load::<T>(off).ok()
     }

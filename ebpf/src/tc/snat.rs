@@ -16,8 +16,11 @@ use aya_ebpf::{
 };
 use gardenet_common::*;
 
-use super::{l3::L3, l4, touch, Flow, DROP, TCP_FLAG_FIN, TCP_FLAG_RST};
-use crate::stat;
+use super::{l3::L3, l4, touch, DROP};
+use crate::{
+    headers::{Flow, TCP_FLAG_FIN, TCP_FLAG_RST},
+    stat,
+};
 
 /// How long an idle source-NAT port stays reserved (no packets in either direction), and how
 /// long after a FIN or RST. Kept short after a close so busy backends do not run out of the
