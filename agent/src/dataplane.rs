@@ -786,17 +786,16 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
 /// flow, its source-NAT pair. The next packet of such a flow then selects a current backend.
 /// Walks the whole map: call it off the run loop. Returns the number of flows removed.
 pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::model::Backend)]) -> Result<usize> {
-    use std::net::IpAddr;
     let wanted: HashSet<FlowId> =
         stale.iter().filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4()).map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port)).collect();
     let mut purged = 0;
     if wanted.iter().any(|k| k.0.is_ipv4()) {
         let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT))?))?;
-        purged += purge_family(&mut ct, &wanted, |a| IpAddr::V4(u32::from_be(a).into()));
+        purged += purge_family(&mut ct, &wanted);
     }
     if wanted.iter().any(|k| k.0.is_ipv6()) {
         let mut ct: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT6))?))?;
-        purged += purge_family(&mut ct, &wanted, |a| IpAddr::V6(ip6_octets(a).into()));
+        purged += purge_family(&mut ct, &wanted);
     }
     Ok(purged)
 }
@@ -804,60 +803,48 @@ pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::
 /// (frontend address, port, protocol, backend address, port), host byte order.
 type FlowId = (std::net::IpAddr, u16, u8, std::net::IpAddr, u16);
 
-/// A conntrack key of either family, as `purge_conntrack` needs it.
-trait CtEntry: aya::Pod + Copy {
-    type Addr: Copy;
-    type Value: aya::Pod + Copy;
-    fn parts(&self) -> (Self::Addr, Self::Addr, u16, u16, u8, u8);
-    fn new(saddr: Self::Addr, daddr: Self::Addr, sport: u16, dport: u16, proto: u8, dir: u8) -> Self;
-    fn value(v: &Self::Value) -> (Self::Addr, u16, u16);
+/// A conntrack value of either family, as `purge_conntrack` reads it.
+trait CtValue: Pod {
+    type Addr: Addr;
+    /// Address, port and flags: the backend of a forward entry, the source-NAT address of a
+    /// source-NAT one.
+    fn parts(&self) -> (Self::Addr, u16, u16);
 }
 
-impl CtEntry for CtKey4 {
+impl CtValue for CtValue4 {
     type Addr = u32;
-    type Value = CtValue4;
-    fn parts(&self) -> (u32, u32, u16, u16, u8, u8) {
-        (self.saddr, self.daddr, self.sport, self.dport, self.proto, self.dir)
-    }
-    fn new(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
-        CtKey4 { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
-    }
-    fn value(v: &CtValue4) -> (u32, u16, u16) {
-        (v.addr, v.port, v.flags)
+    fn parts(&self) -> (u32, u16, u16) {
+        (self.addr, self.port, self.flags)
     }
 }
 
-impl CtEntry for CtKey6 {
+impl CtValue for CtValue6 {
     type Addr = Ip6;
-    type Value = CtValue6;
-    fn parts(&self) -> (Ip6, Ip6, u16, u16, u8, u8) {
-        (self.saddr, self.daddr, self.sport, self.dport, self.proto, self.dir)
-    }
-    fn new(saddr: Ip6, daddr: Ip6, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
-        CtKey6 { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
-    }
-    fn value(v: &CtValue6) -> (Ip6, u16, u16) {
-        (v.addr, v.port, v.flags)
+    fn parts(&self) -> (Ip6, u16, u16) {
+        (self.addr, self.port, self.flags)
     }
 }
 
-/// `purge_conntrack` for one family's map (`ip` turns a map address into an `IpAddr`).
-fn purge_family<K: CtEntry>(ct: &mut BpfHashMap<MapData, K, K::Value>, wanted: &HashSet<FlowId>, ip: impl Fn(K::Addr) -> std::net::IpAddr) -> usize {
+/// `purge_conntrack` for one family's map.
+fn purge_family<V: CtValue>(ct: &mut BpfHashMap<MapData, CtKey<V::Addr>, V>, wanted: &HashSet<FlowId>) -> usize
+where
+    CtKey<V::Addr>: Pod,
+{
+    let key = |saddr, daddr, sport, dport, proto, dir| CtKey { saddr, daddr, sport, dport, proto, dir, _pad: 0 };
     let mut doomed = Vec::new();
     let mut purged = 0;
     for (k, v) in ct.iter().filter_map(|r| r.ok()) {
-        let (client, fe, client_port, fe_port, proto, dir) = k.parts();
-        let (be, be_port, flags) = K::value(&v);
-        if dir != CT_DIR_FORWARD || !wanted.contains(&(ip(fe), u16::from_be(fe_port), proto, ip(be), u16::from_be(be_port))) {
+        let (be, be_port, flags) = v.parts();
+        if k.dir != CT_DIR_FORWARD || !wanted.contains(&(k.daddr.ip(), u16::from_be(k.dport), k.proto, be.ip(), u16::from_be(be_port))) {
             continue;
         }
         doomed.push(k);
-        doomed.push(K::new(be, client, be_port, client_port, proto, CT_DIR_REPLY));
+        doomed.push(key(be, k.saddr, be_port, k.sport, k.proto, CT_DIR_REPLY));
         if flags & CT_FLAG_SNAT != 0 {
-            let fwd = K::new(client, be, client_port, be_port, proto, CT_DIR_SNAT_FWD);
+            let fwd = key(k.saddr, be, k.sport, be_port, k.proto, CT_DIR_SNAT_FWD);
             if let Ok(n) = ct.get(&fwd, 0) {
-                let (nat, nat_port, _) = K::value(&n);
-                doomed.push(K::new(be, nat, be_port, nat_port, proto, CT_DIR_SNAT_REPLY));
+                let (nat, nat_port, _) = n.parts();
+                doomed.push(key(be, nat, be_port, nat_port, k.proto, CT_DIR_SNAT_REPLY));
             }
             doomed.push(fwd);
         }
