@@ -1045,8 +1045,7 @@ mod tests {
         for f in FAMILIES {
             let mut m = MemMaps::checked();
             let mut st = LbState::new();
-            let shapes: [&[u8]; 7] = [&[1], &[1, 2, 3], &[3], &[], &[4, 5, 6, 7], &[1, 7], &[2, 3, 4, 5, 6, 7, 8, 9]];
-            for (i, s) in shapes.iter().enumerate() {
+            for (i, s) in SHAPES.iter().enumerate() {
                 let ranges = if i % 3 == 0 { vec![f.range.parse().unwrap()] } else { Vec::new() };
                 let full = FrontendSpec { affinity_timeout: if i % 2 == 0 { 60 } else { 0 }, source_ranges: ranges, ..f.spec(s) };
                 st.upsert(&mut m, &f.fe(80), &full).unwrap();
@@ -1064,7 +1063,7 @@ mod tests {
             let r = st.apply(&mut m, &[Op::Upsert(f.fe(81), big.clone()), Op::Upsert(f.fe(82), big.clone())]);
             assert!(r.iter().all(|r| matches!(r, Err(MapError::Full { .. }))), "{r:?}");
             for port in [80, 81, 82] {
-                assert_eq!(programmed(&m, &f.fe(port)), f.spec(shapes[6]).backends);
+                assert_eq!(programmed(&m, &f.fe(port)), f.spec(SHAPES[6]).backends);
             }
             let (maps, state) = both(&m, &st);
             assert_eq!(maps, state, "the state knows what the maps hold");
@@ -1077,20 +1076,24 @@ mod tests {
         }
     }
 
+    /// Backend sets a frontend goes through: growing, shrinking, empty, replaced.
+    const SHAPES: [&[u8]; 7] = [&[1], &[1, 2, 3], &[3], &[], &[4, 5, 6, 7], &[1, 7], &[2, 3, 4, 5, 6, 7, 8, 9]];
+
     #[test]
     fn every_intermediate_state_is_consistent() {
         // MemMaps::checked() asserts the invariant after each write; walk through many shapes.
-        let mut m = MemMaps::checked();
-        let mut st = LbState::new();
-        let shapes: [&[u8]; 7] = [&[1], &[1, 2, 3], &[3], &[], &[4, 5, 6, 7], &[1, 7], &[2, 3, 4, 5, 6, 7, 8, 9]];
-        for s in shapes {
-            st.upsert(&mut m, &fe(80), &spec(s)).unwrap();
-            st.upsert(&mut m, &fe(81), &spec(s)).unwrap();
-            assert_eq!(programmed(&m, &fe(80)), spec(s).backends);
+        for f in FAMILIES {
+            let mut m = MemMaps::checked();
+            let mut st = LbState::new();
+            for s in SHAPES {
+                st.upsert(&mut m, &f.fe(80), &f.spec(s)).unwrap();
+                st.upsert(&mut m, &f.fe(81), &f.spec(s)).unwrap();
+                assert_eq!(programmed(&m, &f.fe(80)), f.spec(s).backends);
+            }
+            st.delete(&mut m, &f.fe(80)).unwrap();
+            st.delete(&mut m, &f.fe(81)).unwrap();
+            assert!(m.v4.services.is_empty() && m.v4.backends.is_empty() && m.v6.services.is_empty() && m.v6.backends.is_empty());
         }
-        st.delete(&mut m, &fe(80)).unwrap();
-        st.delete(&mut m, &fe(81)).unwrap();
-        assert!(m.v4.services.is_empty() && m.v4.backends.is_empty());
     }
 
     #[test]
@@ -1301,8 +1304,7 @@ mod tests {
     fn v6_frontends_go_to_the_v6_maps_make_before_break() {
         let mut m = MemMaps::checked();
         let mut st = LbState::new();
-        let shapes: [&[u8]; 7] = [&[1], &[1, 2, 3], &[3], &[], &[4, 5, 6, 7], &[1, 7], &[2, 3, 4, 5, 6, 7, 8, 9]];
-        for s in shapes {
+        for s in SHAPES {
             st.upsert(&mut m, &fe6(80), &spec6(s)).unwrap();
             st.upsert(&mut m, &fe(80), &spec(s)).unwrap();
             assert_eq!(programmed(&m, &fe6(80)), spec6(s).backends);
