@@ -957,8 +957,17 @@ mod tests {
     fn be(last: u8) -> Backend {
         Backend::new(format!("10.0.0.{last}").parse().unwrap(), 8080)
     }
+    fn fe6(port: u16) -> Frontend {
+        Frontend::new("fd00:19::10".parse().unwrap(), port, Proto::Tcp)
+    }
+    fn be6(last: u8) -> Backend {
+        Backend::new(format!("fd00:18:1::{last:x}").parse().unwrap(), 8080)
+    }
     fn spec(bs: &[u8]) -> FrontendSpec {
-        FrontendSpec { backends: bs.iter().map(|b| be(*b)).collect(), ..Default::default() }
+        V4.spec(bs)
+    }
+    fn spec6(bs: &[u8]) -> FrontendSpec {
+        V6.spec(bs)
     }
     fn programmed(maps: &MemMaps, f: &Frontend) -> Vec<Backend> {
         let d = maps.dump().frontends();
@@ -1017,7 +1026,9 @@ mod tests {
         range: &'static str,
     }
 
-    const FAMILIES: [Family; 2] = [Family { fe, be, range: "10.0.0.0/8" }, Family { fe: fe6, be: be6, range: "fd00:18::/32" }];
+    const V4: Family = Family { fe, be, range: "10.0.0.0/8" };
+    const V6: Family = Family { fe: fe6, be: be6, range: "fd00:18::/32" };
+    const FAMILIES: [Family; 2] = [V4, V6];
 
     impl Family {
         fn fe(&self, port: u16) -> Frontend {
@@ -1244,20 +1255,23 @@ mod tests {
 
     #[test]
     fn affinity_match_entries_follow_membership() {
-        let mut m = MemMaps::checked();
-        let mut st = LbState::new();
-        let aff = |bs: &[u8]| FrontendSpec { affinity_timeout: 60, ..spec(bs) };
-        st.upsert(&mut m, &fe(80), &aff(&[1, 2, 3])).unwrap();
-        assert_eq!(m.v4.matches.len(), 3);
-        st.upsert(&mut m, &fe(80), &aff(&[1, 3])).unwrap();
-        let ids: BTreeSet<u32> = m.v4.matches.iter().map(|k| k.backend_id).collect();
-        let live: BTreeSet<u32> = m.v4.backends.keys().copied().collect();
-        assert_eq!(ids, live, "exactly the current members are eligible for affinity");
-        st.upsert(&mut m, &fe(80), &spec(&[1, 3])).unwrap();
-        assert!(m.v4.matches.is_empty(), "affinity switched off");
-        st.upsert(&mut m, &fe(80), &aff(&[1])).unwrap();
-        st.delete(&mut m, &fe(80)).unwrap();
-        assert!(m.v4.matches.is_empty() && m.v4.backends.is_empty());
+        // Backend ids of the affinity matches and of the backends, both families.
+        let matched = |m: &MemMaps| -> BTreeSet<u32> { m.v4.matches.iter().map(|k| k.backend_id).chain(m.v6.matches.iter().map(|k| k.backend_id)).collect() };
+        let live = |m: &MemMaps| -> BTreeSet<u32> { m.v4.backends.keys().chain(m.v6.backends.keys()).copied().collect() };
+        for f in FAMILIES {
+            let mut m = MemMaps::checked();
+            let mut st = LbState::new();
+            let aff = |bs: &[u8]| FrontendSpec { affinity_timeout: 60, ..f.spec(bs) };
+            st.upsert(&mut m, &f.fe(80), &aff(&[1, 2, 3])).unwrap();
+            assert_eq!(m.v4.matches.len() + m.v6.matches.len(), 3);
+            st.upsert(&mut m, &f.fe(80), &aff(&[1, 3])).unwrap();
+            assert_eq!(matched(&m), live(&m), "exactly the current members are eligible for affinity");
+            st.upsert(&mut m, &f.fe(80), &f.spec(&[1, 3])).unwrap();
+            assert!(matched(&m).is_empty(), "affinity switched off");
+            st.upsert(&mut m, &f.fe(80), &aff(&[1])).unwrap();
+            st.delete(&mut m, &f.fe(80)).unwrap();
+            assert!(matched(&m).is_empty() && live(&m).is_empty());
+        }
     }
 
     #[test]
@@ -1269,16 +1283,6 @@ mod tests {
         assert_eq!(plan_slots(&[], &[5, 6]), vec![5, 6]);
         assert_eq!(plan_slots(&[5, 6], &[]), Vec::<u32>::new());
         assert_eq!(plan_slots(&[1, 2, 3, 4, 5], &[5]), vec![5]);
-    }
-
-    fn fe6(port: u16) -> Frontend {
-        Frontend::new("fd00:19::10".parse().unwrap(), port, Proto::Tcp)
-    }
-    fn be6(last: u8) -> Backend {
-        Backend::new(format!("fd00:18:1::{last:x}").parse().unwrap(), 8080)
-    }
-    fn spec6(bs: &[u8]) -> FrontendSpec {
-        FrontendSpec { backends: bs.iter().map(|b| be6(*b)).collect(), ..Default::default() }
     }
 
     #[test]
@@ -1342,21 +1346,6 @@ mod tests {
         assert!(new_id > *ids.iter().max().unwrap(), "ids continue after both families' maxima");
         let d = m.dump().frontends();
         assert_eq!(d.iter().map(|d| d.frontend.to_string()).collect::<Vec<_>>(), ["10.96.0.10:80/tcp", "[fd00:19::10]:80/tcp", "[fd00:19::10]:81/tcp"]);
-    }
-
-    #[test]
-    fn v6_affinity_match_entries_follow_membership() {
-        let mut m = MemMaps::checked();
-        let mut st = LbState::new();
-        let aff = |bs: &[u8]| FrontendSpec { affinity_timeout: 60, ..spec6(bs) };
-        st.upsert(&mut m, &fe6(80), &aff(&[1, 2, 3])).unwrap();
-        assert_eq!(m.v6.matches.len(), 3);
-        assert!(m.v4.matches.is_empty());
-        st.upsert(&mut m, &fe6(80), &aff(&[1, 3])).unwrap();
-        let ids: BTreeSet<u32> = m.v6.matches.iter().map(|k| k.backend_id).collect();
-        assert_eq!(ids, m.v6.backends.keys().copied().collect());
-        st.delete(&mut m, &fe6(80)).unwrap();
-        assert!(m.v6.matches.is_empty() && m.v6.backends.is_empty());
     }
 
     /// Frontends with their backends (sorted) and dangling slots.
