@@ -7,10 +7,9 @@
 //! instant. Backend ids are never reused while the agent runs, so a reader that raced with a
 //! delete cannot land on another service's backend.
 //!
-//! An upsert or delete is planned once ([`LbState::plan_upsert`], [`LbState::plan_delete`]) as
-//! that sequence of writes, for either family; the plan either writes them at once
-//! ([`LbState::upsert`], with an undo log replayed on error) or files them into a batch
-//! ([`LbState::apply`], `batch.rs`).
+//! An upsert or delete is planned once (`plan_upsert`, `plan_delete`) as that sequence of
+//! writes, for either family; the plan either writes them at once ([`LbState::upsert`], with
+//! an undo log replayed on error) or files them into a batch ([`LbState::apply`], `batch.rs`).
 //!
 //! Everything here is pure (maps behind the [`LbMaps`] trait) and unit-tested with an
 //! in-memory map that checks that invariant after every single write.
