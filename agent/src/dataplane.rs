@@ -551,7 +551,7 @@ fn sys_batch<K, V>(fd: &OwnedFd, keys: &[K], values: Option<&[V]>) -> Result<(),
 }
 
 /// One family's service, backend, affinity-match and source-range maps.
-pub struct AyaFamily<A> {
+struct AyaFamily<A> {
     services: BpfHashMap<MapData, ServiceKey<A>, ServiceValue>,
     backends: BpfHashMap<MapData, u32, Backend<A>>,
     matches: BpfHashMap<MapData, AffinityMatchKey<A>, u8>,
