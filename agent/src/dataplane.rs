@@ -14,13 +14,13 @@ use aya::{
         HashMap as BpfHashMap, Map, MapData, MapError as AyaMapError, PerCpuArray,
     },
     programs::{CgroupSockAddr, SchedClassifier, TcAttachType, Xdp},
-    Ebpf, EbpfLoader,
+    Ebpf, EbpfLoader, Pod,
 };
 use gardenet_common::*;
 
 use crate::{
     features::KernelFeatures,
-    lbmap::{one_by_one, Batch, BatchError, LbMaps, MapDump, MapError, RangeKey, ServiceNet},
+    lbmap::{one_by_one, Addr, Batch, BatchError, Elems, Entry, Key, LbMaps, MapDump, MapError, MapKind, MapWrite, RangeKey, ServiceNet, Write},
     model::Cidr,
     pinned_link::{self, AttachType, Attached, Target},
 };
@@ -363,37 +363,14 @@ impl Dataplane {
         }
     }
 
-    /// Typed handles on the service and backend maps, for the map writer.
+    /// Typed handles on the service, backend and source-range maps, for the map writer.
     pub fn lb_maps(&mut self) -> Result<AyaLbMaps> {
-        let services = self.ebpf.take_map(MAP_SERVICES).context("no services map")?;
-        let backends = self.ebpf.take_map(MAP_BACKENDS).context("no backends map")?;
-        let matches = self.ebpf.take_map(MAP_AFFINITY_MATCH).context("no affinity match map")?;
-        let services6 = self.ebpf.take_map(MAP_SERVICES6).context("no IPv6 services map")?;
-        let backends6 = self.ebpf.take_map(MAP_BACKENDS6).context("no IPv6 backends map")?;
-        let matches6 = self.ebpf.take_map(MAP_AFFINITY_MATCH6).context("no IPv6 affinity match map")?;
-        let ranges = self.ebpf.take_map(MAP_SOURCE_RANGES).context("no source-range map")?;
-        let ranges6 = self.ebpf.take_map(MAP_SOURCE_RANGES6).context("no IPv6 source-range map")?;
         let service_nets = self.ebpf.take_map(MAP_SERVICE_NETS).context("no service-net map")?;
-        let batch_fds = BatchFds {
-            services: dup_fd(&services)?,
-            backends: dup_fd(&backends)?,
-            matches: dup_fd(&matches)?,
-            services6: dup_fd(&services6)?,
-            backends6: dup_fd(&backends6)?,
-            matches6: dup_fd(&matches6)?,
-            unsupported: false,
-        };
         Ok(AyaLbMaps {
-            batch_fds,
+            v4: AyaFamily::take(&mut self.ebpf)?,
+            v6: AyaFamily::take(&mut self.ebpf)?,
             service_nets: LpmTrie::try_from(service_nets)?,
-            services: BpfHashMap::try_from(services)?,
-            backends: BpfHashMap::try_from(backends)?,
-            matches: BpfHashMap::try_from(matches)?,
-            services6: BpfHashMap::try_from(services6)?,
-            backends6: BpfHashMap::try_from(backends6)?,
-            matches6: BpfHashMap::try_from(matches6)?,
-            ranges: LpmTrie::try_from(ranges)?,
-            ranges6: LpmTrie::try_from(ranges6)?,
+            batch_unsupported: false,
         })
     }
 
@@ -529,18 +506,6 @@ fn dup_fd(m: &Map) -> Result<OwnedFd> {
     }
 }
 
-/// Descriptors of the hash maps the writer batches.
-struct BatchFds {
-    services: OwnedFd,
-    backends: OwnedFd,
-    matches: OwnedFd,
-    services6: OwnedFd,
-    backends6: OwnedFd,
-    matches6: OwnedFd,
-    /// The kernel refused a batch command (older than 5.6): single writes from then on.
-    unsupported: bool,
-}
-
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 /// The kernel's internal "operation not supported" (`ENOTSUPP`), which bpf(2) returns as is.
@@ -585,26 +550,117 @@ fn sys_batch<K, V>(fd: &OwnedFd, keys: &[K], values: Option<&[V]>) -> Result<(),
     Err((done, err))
 }
 
-/// The service and backend maps, owned by the writer.
+/// One family's service, backend, affinity-match and source-range maps.
+struct AyaFamily<A> {
+    services: BpfHashMap<MapData, ServiceKey<A>, ServiceValue>,
+    backends: BpfHashMap<MapData, u32, Backend<A>>,
+    matches: BpfHashMap<MapData, AffinityMatchKey<A>, u8>,
+    ranges: LpmTrie<MapData, SourceRange<A>, u8>,
+    /// Second descriptors of the hash maps, for the batch operations aya does not wrap.
+    services_fd: OwnedFd,
+    backends_fd: OwnedFd,
+    matches_fd: OwnedFd,
+}
+
+/// Why a batch was not written.
+enum BatchFailure {
+    /// The kernel refused the command before any element (or refused the first element).
+    Refused(std::io::Error),
+    Failed(BatchError),
+}
+
+impl<A: Addr> AyaFamily<A>
+where
+    ServiceKey<A>: Pod,
+    Backend<A>: Pod,
+    AffinityMatchKey<A>: Pod,
+    SourceRange<A>: Pod,
+{
+    fn take(ebpf: &mut Ebpf) -> Result<Self> {
+        let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("no map {name}"));
+        let (services, backends, matches, ranges) = (take(A::MAPS.services)?, take(A::MAPS.backends)?, take(A::MAPS.matches)?, take(A::MAPS.ranges)?);
+        Ok(AyaFamily {
+            services_fd: dup_fd(&services)?,
+            backends_fd: dup_fd(&backends)?,
+            matches_fd: dup_fd(&matches)?,
+            services: BpfHashMap::try_from(services)?,
+            backends: BpfHashMap::try_from(backends)?,
+            matches: BpfHashMap::try_from(matches)?,
+            ranges: LpmTrie::try_from(ranges)?,
+        })
+    }
+
+    fn write(&mut self, w: Write<A>) -> Result<(), MapError> {
+        match w {
+            Write::Put(Entry::Backend(id, b)) => self.backends.insert(id, b, 0).map_err(|e| map_err(A::MAPS.backends, format!("put backend {id}"), e)),
+            Write::Put(Entry::Service(k, v)) => self.services.insert(k, v, 0).map_err(|e| map_err(A::MAPS.services, format!("put {k:?}"), e)),
+            Write::Put(Entry::Match(k)) => self.matches.insert(k, 1, 0).map_err(|e| map_err(A::MAPS.matches, format!("put {k:?}"), e)),
+            Write::Del(Key::Backend(id)) => ignore_missing(self.backends.remove(&id)).map_err(|e| map_err(A::MAPS.backends, format!("delete backend {id}"), e)),
+            Write::Del(Key::Service(k)) => ignore_missing(self.services.remove(&k)).map_err(|e| map_err(A::MAPS.services, format!("delete {k:?}"), e)),
+            Write::Del(Key::Match(k)) => ignore_missing(self.matches.remove(&k)).map_err(|e| map_err(A::MAPS.matches, format!("delete {k:?}"), e)),
+        }
+    }
+
+    fn range(&mut self, len: u32, d: SourceRange<A>, put: bool) -> Result<(), MapError> {
+        let k = LpmKey::new(len, d);
+        let r = if put { self.ranges.insert(&k, 1, 0) } else { ignore_missing(self.ranges.remove(&k)) };
+        r.map_err(|e| map_err(A::MAPS.ranges, format!("{} {len} {d:?}", if put { "put" } else { "delete" }), e))
+    }
+
+    /// `e` with `BPF_MAP_UPDATE_BATCH`/`BPF_MAP_DELETE_BATCH`, as [`LbMaps::write_batch`].
+    fn write_batch(&self, e: Elems<'_, A>) -> Result<(), BatchFailure> {
+        let (map, fd) = match e.map() {
+            MapKind::Backends => (A::MAPS.backends, &self.backends_fd),
+            MapKind::Services => (A::MAPS.services, &self.services_fd),
+            MapKind::Matches => (A::MAPS.matches, &self.matches_fd),
+        };
+        let (n, is_delete) = (e.len(), e.is_delete());
+        let mut from = 0;
+        while from < n {
+            let r = match e.from(from) {
+                Elems::PutBackends(k, v) => sys_batch(fd, k, Some(v)),
+                Elems::PutServices(k, v) => sys_batch(fd, k, Some(v)),
+                Elems::PutMatches(k) => sys_batch(fd, k, Some(&vec![1u8; k.len()][..])),
+                Elems::DelBackends(k) => sys_batch::<_, u8>(fd, k, None),
+                Elems::DelServices(k) => sys_batch::<_, u8>(fd, k, None),
+                Elems::DelMatches(k) => sys_batch::<_, u8>(fd, k, None),
+            };
+            let Err((done, err)) = r else { return Ok(()) };
+            let code = err.raw_os_error();
+            if from == 0 && done == 0 && matches!(code, Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)) {
+                return Err(BatchFailure::Refused(err));
+            }
+            let at = from + done;
+            if is_delete && code == Some(libc::ENOENT) {
+                // Deleting a missing key is not an error (as for single deletes): go on
+                // after it.
+                from = at + 1;
+                continue;
+            }
+            let op = if is_delete { format!("batch delete, element {at} of {n}") } else { format!("batch update, element {at} of {n}") };
+            let error = if code == Some(libc::E2BIG) { MapError::Full { map, op } } else { MapError::Io { map, op, source: err } };
+            return Err(BatchFailure::Failed(BatchError { done: at, error }));
+        }
+        Ok(())
+    }
+}
+
+/// The service, backend and source-range maps of both families and the service-net trie,
+/// owned by the writer.
 pub struct AyaLbMaps {
-    batch_fds: BatchFds,
-    services: BpfHashMap<MapData, ServiceKey4, ServiceValue>,
-    backends: BpfHashMap<MapData, u32, Backend4>,
-    matches: BpfHashMap<MapData, AffinityMatchKey4, u8>,
-    services6: BpfHashMap<MapData, ServiceKey6, ServiceValue>,
-    backends6: BpfHashMap<MapData, u32, Backend6>,
-    matches6: BpfHashMap<MapData, AffinityMatchKey6, u8>,
-    ranges: LpmTrie<MapData, SourceRange4, u8>,
-    ranges6: LpmTrie<MapData, SourceRange6, u8>,
+    v4: AyaFamily<u32>,
+    v6: AyaFamily<Ip6>,
     service_nets: LpmTrie<MapData, Ip6, u8>,
+    /// The kernel refused a batch command (older than 5.6): single writes from then on.
+    batch_unsupported: bool,
 }
 
 impl AyaLbMaps {
     pub fn dump(&self) -> MapDump {
-        let mut d = dump_maps(&self.services, &self.backends);
-        d.services6 = self.services6.iter().filter_map(|r| r.ok()).collect();
-        d.backends6 = self.backends6.iter().filter_map(|r| r.ok()).collect();
-        d.ranges = dump_ranges(&self.ranges, &self.ranges6);
+        let mut d = dump_maps(&self.v4.services, &self.v4.backends);
+        d.services6 = self.v6.services.iter().filter_map(|r| r.ok()).collect();
+        d.backends6 = self.v6.backends.iter().filter_map(|r| r.ok()).collect();
+        d.ranges = dump_ranges(&self.v4.ranges, &self.v6.ranges);
         d.service_nets = dump_service_nets(&self.service_nets);
         d
     }
@@ -640,62 +696,25 @@ fn ignore_missing(r: Result<(), AyaMapError>) -> Result<(), AyaMapError> {
 }
 
 impl LbMaps for AyaLbMaps {
-    fn put_backend(&mut self, id: u32, be: &Backend4) -> Result<(), MapError> {
-        self.backends.insert(id, be, 0).map_err(|e| map_err(MAP_BACKENDS_NAME, format!("put backend {id}"), e))
-    }
-    fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
-        ignore_missing(self.backends.remove(&id)).map_err(|e| map_err(MAP_BACKENDS_NAME, format!("delete backend {id}"), e))
-    }
-    fn put_service(&mut self, key: &ServiceKey4, val: &ServiceValue) -> Result<(), MapError> {
-        self.services.insert(key, val, 0).map_err(|e| map_err(MAP_SERVICES_NAME, format!("put {key:?}"), e))
-    }
-    fn del_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
-        ignore_missing(self.services.remove(key)).map_err(|e| map_err(MAP_SERVICES_NAME, format!("delete {key:?}"), e))
-    }
-    fn put_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError> {
-        self.matches.insert(key, 1, 0).map_err(|e| map_err(MAP_AFFINITY_MATCH, format!("put {key:?}"), e))
-    }
-    fn del_match(&mut self, key: &AffinityMatchKey4) -> Result<(), MapError> {
-        ignore_missing(self.matches.remove(key)).map_err(|e| map_err(MAP_AFFINITY_MATCH, format!("delete {key:?}"), e))
-    }
-    fn put_backend6(&mut self, id: u32, be: &Backend6) -> Result<(), MapError> {
-        self.backends6.insert(id, be, 0).map_err(|e| map_err(MAP_BACKENDS6, format!("put backend {id}"), e))
-    }
-    fn del_backend6(&mut self, id: u32) -> Result<(), MapError> {
-        ignore_missing(self.backends6.remove(&id)).map_err(|e| map_err(MAP_BACKENDS6, format!("delete backend {id}"), e))
-    }
-    fn put_service6(&mut self, key: &ServiceKey6, val: &ServiceValue) -> Result<(), MapError> {
-        self.services6.insert(key, val, 0).map_err(|e| map_err(MAP_SERVICES6, format!("put {key:?}"), e))
-    }
-    fn del_service6(&mut self, key: &ServiceKey6) -> Result<(), MapError> {
-        ignore_missing(self.services6.remove(key)).map_err(|e| map_err(MAP_SERVICES6, format!("delete {key:?}"), e))
-    }
-    fn put_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
-        self.matches6.insert(key, 1, 0).map_err(|e| map_err(MAP_AFFINITY_MATCH6, format!("put {key:?}"), e))
-    }
-    fn del_match6(&mut self, key: &AffinityMatchKey6) -> Result<(), MapError> {
-        ignore_missing(self.matches6.remove(key)).map_err(|e| map_err(MAP_AFFINITY_MATCH6, format!("delete {key:?}"), e))
-    }
-    fn put_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
-        match key {
-            RangeKey::V4(len, d) => self.ranges.insert(&LpmKey::new(*len, *d), 1, 0).map_err(|e| map_err(MAP_SOURCE_RANGES, format!("put {key:?}"), e)),
-            RangeKey::V6(len, d) => self.ranges6.insert(&LpmKey::new(*len, *d), 1, 0).map_err(|e| map_err(MAP_SOURCE_RANGES6, format!("put {key:?}"), e)),
-        }
-    }
-    fn del_range(&mut self, key: &RangeKey) -> Result<(), MapError> {
-        match key {
-            RangeKey::V4(len, d) => {
-                ignore_missing(self.ranges.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES, format!("delete {key:?}"), e))
-            }
-            RangeKey::V6(len, d) => {
-                ignore_missing(self.ranges6.remove(&LpmKey::new(*len, *d))).map_err(|e| map_err(MAP_SOURCE_RANGES6, format!("delete {key:?}"), e))
+    fn write(&mut self, w: MapWrite) -> Result<(), MapError> {
+        match w {
+            MapWrite::V4(w) => self.v4.write(w),
+            MapWrite::V6(w) => self.v6.write(w),
+            MapWrite::PutRange(k) | MapWrite::DelRange(k) => {
+                let put = matches!(w, MapWrite::PutRange(_));
+                match k {
+                    RangeKey::V4(len, d) => self.v4.range(len, d, put),
+                    RangeKey::V6(len, d) => self.v6.range(len, d, put),
+                }
             }
         }
     }
+
     fn put_service_net(&mut self, net: &Cidr, kind: ServiceNet) -> Result<(), MapError> {
         let (len, data) = crate::lbmap::service_net_key(net);
         self.service_nets.insert(&LpmKey::new(len, data), kind.value(), 0).map_err(|e| map_err(MAP_SERVICE_NETS, format!("put {net}"), e))
     }
+
     fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
         let (len, data) = crate::lbmap::service_net_key(net);
         ignore_missing(self.service_nets.remove(&LpmKey::new(len, data))).map_err(|e| map_err(MAP_SERVICE_NETS, format!("delete {net}"), e))
@@ -705,66 +724,27 @@ impl LbMaps for AyaLbMaps {
         if b.is_empty() {
             return Ok(());
         }
-        if self.batch_fds.unsupported {
+        if self.batch_unsupported {
             return one_by_one(self, b);
         }
-        let f = &self.batch_fds;
-        let (map, fd) = match b {
-            Batch::PutBackends(..) | Batch::DelBackends(_) => (MAP_BACKENDS_NAME, &f.backends),
-            Batch::PutBackends6(..) | Batch::DelBackends6(_) => (MAP_BACKENDS6, &f.backends6),
-            Batch::PutServices(..) | Batch::DelServices(_) => (MAP_SERVICES_NAME, &f.services),
-            Batch::PutServices6(..) | Batch::DelServices6(_) => (MAP_SERVICES6, &f.services6),
-            Batch::PutMatches(_) | Batch::DelMatches(_) => (MAP_AFFINITY_MATCH, &f.matches),
-            Batch::PutMatches6(_) | Batch::DelMatches6(_) => (MAP_AFFINITY_MATCH6, &f.matches6),
+        let r = match b {
+            Batch::V4(e) => self.v4.write_batch(e),
+            Batch::V6(e) => self.v6.write_batch(e),
         };
-        let is_delete = matches!(
-            b,
-            Batch::DelBackends(_) | Batch::DelBackends6(_) | Batch::DelServices(_) | Batch::DelServices6(_) | Batch::DelMatches(_) | Batch::DelMatches6(_)
-        );
-        let n = b.len();
-        let mut from = 0;
-        while from < n {
-            let ones = vec![1u8; if matches!(b, Batch::PutMatches(_) | Batch::PutMatches6(_)) { n - from } else { 0 }];
-            let r = match b {
-                Batch::PutBackends(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
-                Batch::PutBackends6(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
-                Batch::PutServices(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
-                Batch::PutServices6(k, v) => sys_batch(fd, &k[from..], Some(&v[from..])),
-                Batch::PutMatches(k) => sys_batch(fd, &k[from..], Some(&ones[..])),
-                Batch::PutMatches6(k) => sys_batch(fd, &k[from..], Some(&ones[..])),
-                Batch::DelBackends(k) | Batch::DelBackends6(k) => sys_batch::<u32, u8>(fd, &k[from..], None),
-                Batch::DelServices(k) => sys_batch::<_, u8>(fd, &k[from..], None),
-                Batch::DelServices6(k) => sys_batch::<_, u8>(fd, &k[from..], None),
-                Batch::DelMatches(k) => sys_batch::<_, u8>(fd, &k[from..], None),
-                Batch::DelMatches6(k) => sys_batch::<_, u8>(fd, &k[from..], None),
-            };
-            let Err((done, err)) = r else { return Ok(()) };
-            let code = err.raw_os_error();
-            if from == 0 && done == 0 && matches!(code, Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)) {
+        match r {
+            Ok(()) => Ok(()),
+            Err(BatchFailure::Failed(e)) => Err(e),
+            Err(BatchFailure::Refused(err)) => {
                 // No batch operations here (kernel < 5.6), or the first element itself is
                 // refused: single writes tell the two apart.
                 one_by_one(self, b)?;
                 tracing::info!("map batch operations unavailable ({err}); writing maps one entry at a time");
-                self.batch_fds.unsupported = true;
-                return Ok(());
+                self.batch_unsupported = true;
+                Ok(())
             }
-            let at = from + done;
-            if is_delete && code == Some(libc::ENOENT) {
-                // Deleting a missing key is not an error (as for single deletes): go on
-                // after it.
-                from = at + 1;
-                continue;
-            }
-            let op = if is_delete { format!("batch delete, element {at} of {n}") } else { format!("batch update, element {at} of {n}") };
-            let error = if code == Some(libc::E2BIG) { MapError::Full { map, op } } else { MapError::Io { map, op, source: err } };
-            return Err(BatchError { done: at, error });
         }
-        Ok(())
     }
 }
-
-const MAP_SERVICES_NAME: &str = MAP_SERVICES;
-const MAP_BACKENDS_NAME: &str = MAP_BACKENDS;
 
 fn dump_maps(services: &BpfHashMap<MapData, ServiceKey4, ServiceValue>, backends: &BpfHashMap<MapData, u32, Backend4>) -> MapDump {
     MapDump { services: services.iter().filter_map(|r| r.ok()).collect(), backends: backends.iter().filter_map(|r| r.ok()).collect(), ..Default::default() }
@@ -806,17 +786,16 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
 /// flow, its source-NAT pair. The next packet of such a flow then selects a current backend.
 /// Walks the whole map: call it off the run loop. Returns the number of flows removed.
 pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::model::Backend)]) -> Result<usize> {
-    use std::net::IpAddr;
     let wanted: HashSet<FlowId> =
         stale.iter().filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4()).map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port)).collect();
     let mut purged = 0;
     if wanted.iter().any(|k| k.0.is_ipv4()) {
         let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT))?))?;
-        purged += purge_family(&mut ct, &wanted, |a| IpAddr::V4(u32::from_be(a).into()));
+        purged += purge_family(&mut ct, &wanted);
     }
     if wanted.iter().any(|k| k.0.is_ipv6()) {
         let mut ct: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT6))?))?;
-        purged += purge_family(&mut ct, &wanted, |a| IpAddr::V6(ip6_octets(a).into()));
+        purged += purge_family(&mut ct, &wanted);
     }
     Ok(purged)
 }
@@ -824,60 +803,48 @@ pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::
 /// (frontend address, port, protocol, backend address, port), host byte order.
 type FlowId = (std::net::IpAddr, u16, u8, std::net::IpAddr, u16);
 
-/// A conntrack key of either family, as `purge_conntrack` needs it.
-trait CtEntry: aya::Pod + Copy {
-    type Addr: Copy;
-    type Value: aya::Pod + Copy;
-    fn parts(&self) -> (Self::Addr, Self::Addr, u16, u16, u8, u8);
-    fn new(saddr: Self::Addr, daddr: Self::Addr, sport: u16, dport: u16, proto: u8, dir: u8) -> Self;
-    fn value(v: &Self::Value) -> (Self::Addr, u16, u16);
+/// A conntrack value of either family, as `purge_conntrack` reads it.
+trait CtValue: Pod {
+    type Addr: Addr;
+    /// Address, port and flags: the backend of a forward entry, the source-NAT address of a
+    /// source-NAT one.
+    fn parts(&self) -> (Self::Addr, u16, u16);
 }
 
-impl CtEntry for CtKey4 {
+impl CtValue for CtValue4 {
     type Addr = u32;
-    type Value = CtValue4;
-    fn parts(&self) -> (u32, u32, u16, u16, u8, u8) {
-        (self.saddr, self.daddr, self.sport, self.dport, self.proto, self.dir)
-    }
-    fn new(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
-        CtKey4 { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
-    }
-    fn value(v: &CtValue4) -> (u32, u16, u16) {
-        (v.addr, v.port, v.flags)
+    fn parts(&self) -> (u32, u16, u16) {
+        (self.addr, self.port, self.flags)
     }
 }
 
-impl CtEntry for CtKey6 {
+impl CtValue for CtValue6 {
     type Addr = Ip6;
-    type Value = CtValue6;
-    fn parts(&self) -> (Ip6, Ip6, u16, u16, u8, u8) {
-        (self.saddr, self.daddr, self.sport, self.dport, self.proto, self.dir)
-    }
-    fn new(saddr: Ip6, daddr: Ip6, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
-        CtKey6 { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
-    }
-    fn value(v: &CtValue6) -> (Ip6, u16, u16) {
-        (v.addr, v.port, v.flags)
+    fn parts(&self) -> (Ip6, u16, u16) {
+        (self.addr, self.port, self.flags)
     }
 }
 
-/// `purge_conntrack` for one family's map (`ip` turns a map address into an `IpAddr`).
-fn purge_family<K: CtEntry>(ct: &mut BpfHashMap<MapData, K, K::Value>, wanted: &HashSet<FlowId>, ip: impl Fn(K::Addr) -> std::net::IpAddr) -> usize {
+/// `purge_conntrack` for one family's map.
+fn purge_family<V: CtValue>(ct: &mut BpfHashMap<MapData, CtKey<V::Addr>, V>, wanted: &HashSet<FlowId>) -> usize
+where
+    CtKey<V::Addr>: Pod,
+{
+    let key = |saddr, daddr, sport, dport, proto, dir| CtKey { saddr, daddr, sport, dport, proto, dir, _pad: 0 };
     let mut doomed = Vec::new();
     let mut purged = 0;
     for (k, v) in ct.iter().filter_map(|r| r.ok()) {
-        let (client, fe, client_port, fe_port, proto, dir) = k.parts();
-        let (be, be_port, flags) = K::value(&v);
-        if dir != CT_DIR_FORWARD || !wanted.contains(&(ip(fe), u16::from_be(fe_port), proto, ip(be), u16::from_be(be_port))) {
+        let (be, be_port, flags) = v.parts();
+        if k.dir != CT_DIR_FORWARD || !wanted.contains(&(k.daddr.ip(), u16::from_be(k.dport), k.proto, be.ip(), u16::from_be(be_port))) {
             continue;
         }
         doomed.push(k);
-        doomed.push(K::new(be, client, be_port, client_port, proto, CT_DIR_REPLY));
+        doomed.push(key(be, k.saddr, be_port, k.sport, k.proto, CT_DIR_REPLY));
         if flags & CT_FLAG_SNAT != 0 {
-            let fwd = K::new(client, be, client_port, be_port, proto, CT_DIR_SNAT_FWD);
+            let fwd = key(k.saddr, be, k.sport, be_port, k.proto, CT_DIR_SNAT_FWD);
             if let Ok(n) = ct.get(&fwd, 0) {
-                let (nat, nat_port, _) = K::value(&n);
-                doomed.push(K::new(be, nat, be_port, nat_port, proto, CT_DIR_SNAT_REPLY));
+                let (nat, nat_port, _) = n.parts();
+                doomed.push(key(be, nat, be_port, nat_port, k.proto, CT_DIR_SNAT_REPLY));
             }
             doomed.push(fwd);
         }
