@@ -16,7 +16,7 @@ use crate::{
 /// `gardenet-agent links`: every interface, whether it is selected and why, and the hooks the
 /// kernel reports on it (gardenet's and foreign ones). Errors come from the running agent.
 pub async fn links_report(bpffs: &Path, state_dir: Option<PathBuf>, config: Option<&Path>, args: &crate::links::InterfaceArgs, json: bool) -> Result<()> {
-    use crate::pinned_link::{prog_name, prog_query, AttachType};
+    use crate::links::pinned::{prog_name, prog_query, AttachType};
     let config = load_config(config)?;
     let selector = args.selector(&config.interfaces);
     let mut rows = crate::links::explain(&selector, &crate::links::WatchOptions::default()).await?;
@@ -49,7 +49,7 @@ pub async fn links_report(bpffs: &Path, state_dir: Option<PathBuf>, config: Opti
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", crate::links::render_table(&rows));
-        println!("\n{}", crate::features::KernelFeatures::probe().summary());
+        println!("\n{}", crate::dataplane::features::KernelFeatures::probe().summary());
     }
     Ok(())
 }
@@ -90,9 +90,9 @@ pub fn lb_list(bpffs: &Path, json: bool) -> Result<()> {
         }
         writeln!(out, "{:<38} {}", f.frontend.to_string(), line)?;
     }
-    let ranges: Vec<String> = dump.service_nets.iter().filter(|(_, k)| *k == crate::lbmap::ServiceNet::Range).map(|(c, _)| c.to_string()).collect();
+    let ranges: Vec<String> = dump.service_nets.iter().filter(|(_, k)| *k == crate::dataplane::lbmap::ServiceNet::Range).map(|(c, _)| c.to_string()).collect();
     if !ranges.is_empty() {
-        let ips = dump.service_nets.iter().filter(|(_, k)| *k != crate::lbmap::ServiceNet::Range).count();
+        let ips = dump.service_nets.iter().filter(|(_, k)| *k != crate::dataplane::lbmap::ServiceNet::Range).count();
         writeln!(out, "service ranges: {} (unallocated addresses dropped; {ips} ClusterIPs: other ports rejected)", ranges.join(", "))?;
     }
     // Pressure: an LRU map near its capacity evicts live flows first.

@@ -11,12 +11,12 @@ use std::{
 };
 
 use crate::{
+    dataplane::lbmap::{LbMaps, LbState, MapError, Op, ServiceNet, ServiceNets, Writes},
+    desired::{Backend, Cidr, Frontend, Proto},
     gardener::config::NodePortAddress,
-    lbmap::{LbMaps, LbState, MapError, Op, ServiceNet, ServiceNets, Writes},
-    model::{Backend, Cidr, Frontend, Proto},
+    source::objects::{ServiceCidrView, ServiceView, SliceView},
     source::SourceEvent,
     translate::{self, NodeInfo, Problem, ProblemKind},
-    view::{ServiceCidrView, ServiceView, SliceView},
 };
 
 /// Frontend changes collected before they are written in one [`LbState::apply`] (bounds the
@@ -637,7 +637,7 @@ pub fn node_info(n: &k8s_openapi::api::core::v1::Node, select: &[NodePortAddress
 mod tests {
     use super::*;
     use crate::{
-        lbmap::MemMaps,
+        dataplane::lbmap::MemMaps,
         translate::{
             tests::{slice, svc},
             LocalRedirect, ProblemObject,

@@ -9,20 +9,20 @@ use anyhow::{bail, Context, Result};
 use tokio::sync::mpsc;
 
 use crate::{
+    dataplane::lbmap::LbState,
+    dataplane::mapfill::{Change, Fill, MapFills},
     dataplane::{self, Dataplane, MapSizes},
+    desired::{Backend, Frontend, Proto},
     gardener::{
         capability::{self, LinuxHost, Requirements},
         config::{LocalRedirectRule, NetworkConfig, NodePortAddress},
     },
-    health::AgentState,
-    lbmap::LbState,
-    listeners::ListenerWatch,
-    mapfill::{Change, Fill, MapFills},
-    metrics::{ErrorKind, Metrics},
-    model::{Backend, Frontend, Proto},
     pipeline::Pipeline,
+    report,
+    report::health::AgentState,
+    report::metrics::{ErrorKind, Metrics},
+    source::listeners::ListenerWatch,
     source::{self, SourceEvent},
-    status,
     translate::NodeInfo,
 };
 
@@ -118,7 +118,7 @@ pub struct RunArgs {
     pub host_proc: PathBuf,
     /// --health-addr, --metrics-addr, --network, --network-kubeconfig, --kube-proxy-enabled.
     #[command(flatten)]
-    pub status: status::StatusArgs,
+    pub status: report::StatusArgs,
 }
 
 /// How long a TCP backend must stay gone from its Service before idle sockets to it are
@@ -132,7 +132,7 @@ fn terminate_sockets(bpffs: &Path, proc_dir: &Path, proto: Proto, departed: &[(F
         Proto::Udp => "connected UDP",
         Proto::Tcp => "idle TCP",
     };
-    match crate::sockterm::terminate(bpffs, proc_dir, proto, departed) {
+    match crate::dataplane::sockterm::terminate(bpffs, proc_dir, proto, departed) {
         Ok(t) => {
             metrics.observe_socket_termination(&t);
             if t.destroyed + t.failed + t.busy > 0 {
@@ -165,11 +165,14 @@ pub fn node_eligible(node: &k8s_openapi::api::core::v1::Node) -> bool {
 
 /// Records a map's fill (metrics) and reports when it comes under pressure or leaves it
 /// (log, Node condition via the agent state, Warning Event on the Node).
-fn note_fill(fills: &mut MapFills, fill: Fill, metrics: &Metrics, state: &AgentState, events: Option<&crate::events::ProblemEvents>) {
+fn note_fill(fills: &mut MapFills, fill: Fill, metrics: &Metrics, state: &AgentState, events: Option<&crate::report::events::ProblemEvents>) {
     metrics.set_map_fill(&fill);
     match fills.set(fill) {
         Some(Change::Pressure(f)) => {
-            tracing::warn!("{f}: at {}% it is under pressure; raise its size in the NetworkConfig before it overflows", crate::mapfill::PRESSURE_PERCENT);
+            tracing::warn!(
+                "{f}: at {}% it is under pressure; raise its size in the NetworkConfig before it overflows",
+                crate::dataplane::mapfill::PRESSURE_PERCENT
+            );
             if let Some(ev) = events {
                 ev.node_warning("MapPressure", &format!("{f}; raise its size in the NetworkConfig before it overflows"));
             }
@@ -249,7 +252,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // Endpoints first: /healthz answers and /readyz says why not ready during a slow start.
     let state = Arc::new(AgentState::default());
     let metrics = Arc::new(Metrics::new());
-    let endpoints = status::serve_endpoints(&args.status, state.clone(), metrics.clone()).await?;
+    let endpoints = report::serve_endpoints(&args.status, state.clone(), metrics.clone()).await?;
     let cgroup_needed = if args.no_socket_lb { None } else { args.cgroup.clone().or_else(|| cgroup2_root().ok()) };
     state.set_missing(capability::check(&LinuxHost, &Requirements::new(&args.bpffs, cgroup_needed)).missing);
     if args.reset {
@@ -272,7 +275,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     // From here on gardenet is the Service proxy: answer kube-proxy's health check too
     // (unhealthy until the dataplane is loaded and the first sync programmed).
-    let proxy_healthz = status::serve_proxy_healthz(&args.status, state.clone()).await;
+    let proxy_healthz = report::serve_proxy_healthz(&args.status, state.clone()).await;
     let sizes = MapSizes {
         services: args.map_services.unwrap_or(config.map_sizes.services),
         backends: args.map_backends.unwrap_or(config.map_sizes.backends),
@@ -281,7 +284,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         ..Default::default()
     };
     // What this kernel offers decides programs and attachments: said once, and exported.
-    let features = crate::features::KernelFeatures::probe();
+    let features = crate::dataplane::features::KernelFeatures::probe();
     tracing::info!("{}", features.summary());
     metrics.set_kernel_features(&features.list());
     let mut dp = match setup_dataplane(&args, &config, sizes, features) {
@@ -323,7 +326,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tracing::info!("local redirect {}: ClusterIP traffic goes to {} while something listens there", r.service, r.to);
     }
     for c in listeners.poll() {
-        crate::listeners::report(&metrics, &c);
+        crate::source::listeners::report(&metrics, &c);
     }
     let node = NodeInfo {
         name: args.node_name.clone(),
@@ -336,9 +339,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
     // Polls the socket tables while there are rules; ends with the sources.
-    let listener_task = tokio::spawn(crate::listeners::run(listeners, tx.downgrade(), metrics.clone()));
+    let listener_task = tokio::spawn(crate::source::listeners::run(listeners, tx.downgrade(), metrics.clone()));
     let mut reporting = None;
-    let mut problem_events: Option<crate::events::ProblemEvents> = None;
+    let mut problem_events: Option<crate::report::events::ProblemEvents> = None;
     let src = match args.source.clone() {
         SourceSpec::Dir(d) => {
             if !d.is_dir() {
@@ -351,10 +354,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
             if args.node_name.is_empty() {
                 tracing::warn!("no --node-name (NODE_NAME): not reporting readiness to Kubernetes");
             } else {
-                let r = status::Reporting::start(&args.status, client.clone(), &args.node_name, state.clone(), config.clone(), args.detach_on_exit);
+                let r = report::Reporting::start(&args.status, client.clone(), &args.node_name, state.clone(), config.clone(), args.detach_on_exit);
                 reporting = Some(r.await?);
             }
-            problem_events = Some(crate::events::ProblemEvents::new(client.clone(), &args.node_name));
+            problem_events = Some(crate::report::events::ProblemEvents::new(client.clone(), &args.node_name));
             tokio::spawn(source::kube::run(client, args.node_name.clone(), tx))
         }
     };
@@ -391,7 +394,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         fills: MapFills::default(),
         map_services: sizes.services as usize,
         map_backends: sizes.backends as usize,
-        health_checks: crate::healthcheck::HealthCheckServers::default(),
+        health_checks: crate::report::healthcheck::HealthCheckServers::default(),
         departed_tcp: Vec::new(),
         ready: false,
     };
@@ -472,11 +475,11 @@ struct Agent {
     /// Where `links.json` is published.
     state_dir: PathBuf,
     /// Events on the Node and on Services (only with the Kubernetes source).
-    problem_events: Option<crate::events::ProblemEvents>,
+    problem_events: Option<crate::report::events::ProblemEvents>,
     fills: MapFills,
     map_services: usize,
     map_backends: usize,
-    health_checks: crate::healthcheck::HealthCheckServers,
+    health_checks: crate::report::healthcheck::HealthCheckServers,
     /// TCP departures waiting out `TCP_TERMINATION_GRACE`.
     departed_tcp: Vec<(Instant, crate::pipeline::Departure)>,
     /// The first full sync is programmed.
@@ -590,7 +593,7 @@ impl Agent {
 /// The NetworkConfig from the `providerConfig` of the Network the agent is pointed at (it
 /// may live in another cluster: `--network-kubeconfig`). An unreadable or invalid one is
 /// reported and the defaults are used, so the node still routes Services.
-async fn config_from_network(args: &RunArgs, network: &status::network::NetworkRef) -> crate::gardener::config::NetworkConfig {
+async fn config_from_network(args: &RunArgs, network: &report::network::NetworkRef) -> crate::gardener::config::NetworkConfig {
     let fetched = async {
         let kubeconfig = args.status.network_kubeconfig.clone().or_else(|| args.kubeconfig.clone());
         let client = source::kube::client_from_env(kubeconfig).await?;
@@ -615,7 +618,7 @@ fn setup_dataplane(
     args: &RunArgs,
     config: &crate::gardener::config::NetworkConfig,
     sizes: MapSizes,
-    features: crate::features::KernelFeatures,
+    features: crate::dataplane::features::KernelFeatures,
 ) -> Result<Dataplane> {
     let mut dp = Dataplane::load_with(&args.bpffs, sizes, features)?;
     dp.xdp_mode = args.xdp_mode.unwrap_or_else(|| xdp_from_config(config.xdp.mode));
@@ -637,7 +640,7 @@ async fn report_until_shutdown(args: &RunArgs, config: &crate::gardener::config:
         return wait_for_shutdown(state).await;
     }
     let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
-    let reporting = status::Reporting::start(&args.status, client, &args.node_name, state.clone(), config.clone(), false).await?;
+    let reporting = report::Reporting::start(&args.status, client, &args.node_name, state.clone(), config.clone(), false).await?;
     wait_for_shutdown(state).await?;
     reporting.stop().await;
     Ok(())
@@ -667,7 +670,7 @@ async fn wait_for_shutdown(state: &AgentState) -> Result<()> {
 /// condition and gardenet_interface_attached.
 fn report_links(state: &AgentState, metrics: &Metrics, snap: &[crate::links::LinkStatus]) {
     let selected = snap.iter().filter(|l| l.selected);
-    status::report_interfaces(state, metrics, selected.map(|l| (l.name.clone(), !l.hooks.is_empty(), l.error.clone())));
+    report::report_interfaces(state, metrics, selected.map(|l| (l.name.clone(), !l.hooks.is_empty(), l.error.clone())));
 }
 
 /// Writes the link manager's view for `gardenet-agent links` (atomically; only on change).

@@ -1,13 +1,13 @@
 //! Service + EndpointSlices (+ this node) -> frontends and their backends, the way kube-proxy
-//! reads them. Pure: no I/O, unit-tested. Works on the digested views of `crate::view`.
+//! reads them. Pure: no I/O, unit-tested. Works on the digested views of `crate::source::objects`.
 use std::{collections::BTreeSet, net::IpAddr};
 
 use crate::{
-    model::{Backend, Frontend, FrontendSpec, Proto},
-    view::{EndpointView, PortView, ServiceView, SliceView},
+    desired::{Backend, Frontend, FrontendSpec, Proto},
+    source::objects::{EndpointView, PortView, ServiceView, SliceView},
 };
 
-pub use crate::view::{DEFAULT_AFFINITY_TIMEOUT, PROXY_NAME, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL};
+pub use crate::source::objects::{DEFAULT_AFFINITY_TIMEOUT, PROXY_NAME, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL};
 
 /// What translation needs to know about this node.
 #[derive(Clone, Debug, Default)]
@@ -776,7 +776,10 @@ endpoints:
                 terminating: e.terminating,
                 node: e.local.then(|| node.name.as_str().into()),
                 hints: (!e.zones.is_empty() || !e.nodes.is_empty()).then(|| {
-                    Box::new(crate::view::Hints { zones: e.zones.iter().map(|z| (*z).into()).collect(), nodes: e.nodes.iter().map(|n| (*n).into()).collect() })
+                    Box::new(crate::source::objects::Hints {
+                        zones: e.zones.iter().map(|z| (*z).into()).collect(),
+                        nodes: e.nodes.iter().map(|n| (*n).into()).collect(),
+                    })
                 }),
             })
             .collect();
@@ -1083,7 +1086,7 @@ endpoints:
         }
         // Cluster policy: one set, no second.
         let t = translate(&svc(&s.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster")), &[&slice(LOCAL_SLICE)], &node());
-        assert!(t.frontends.iter().all(|(f, s)| f.scope == crate::model::Scope::All && !s.two_scopes));
+        assert!(t.frontends.iter().all(|(f, s)| f.scope == crate::desired::Scope::All && !s.two_scopes));
     }
 
     #[test]

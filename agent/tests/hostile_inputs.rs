@@ -8,8 +8,8 @@ use std::net::IpAddr;
 use gardenet_agent::{
     gardener::config::NetworkConfig,
     source::dir::parse_manifests,
+    source::objects::{ServiceView, SliceView},
     translate::{translate, NodeInfo},
-    view::{ServiceView, SliceView},
 };
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;

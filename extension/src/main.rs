@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use gardenet_agent::status::{shutdown_channel, Elector, LeaseTiming};
+use gardenet_agent::report::{shutdown_channel, Elector, LeaseTiming};
 use gardenet_extension::{admission, controller, metrics::Metrics, serve};
 use kube::Client;
 

@@ -714,7 +714,7 @@ pub fn assert_idle_tcp_leaves_departed_backend(lab: &Lab, agent: &Agent, to: &st
 /// How `connect()` to a frontend without backends fails on this kernel: ECONNREFUSED, but
 /// through socket LB on kernels without `bpf_set_retval` (< 5.18) the hook's EPERM.
 pub fn refusal_outcome(socket_lb: bool) -> &'static str {
-    if socket_lb && !gardenet_agent::features::KernelFeatures::probe().set_retval {
+    if socket_lb && !gardenet_agent::dataplane::features::KernelFeatures::probe().set_retval {
         "PermissionDenied"
     } else {
         "ConnectionRefused"

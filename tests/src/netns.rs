@@ -289,11 +289,11 @@ impl Netns {
     /// Names of the BPF programs on an interface's TC hook (`ty`: `TcxIngress` or `TcxEgress`),
     /// as the kernel reports them: tcx where the kernel has it, else the clsact qdisc's
     /// cls_bpf filters (one per line of `tc filter show`, named by program).
-    pub fn tc_programs(&self, iface: &str, ty: gardenet_agent::pinned_link::AttachType) -> Result<Vec<String>> {
-        if gardenet_agent::features::KernelFeatures::probe().tcx {
+    pub fn tc_programs(&self, iface: &str, ty: gardenet_agent::links::pinned::AttachType) -> Result<Vec<String>> {
+        if gardenet_agent::dataplane::features::KernelFeatures::probe().tcx {
             return self.tcx_programs(iface, ty);
         }
-        let dir = if ty == gardenet_agent::pinned_link::AttachType::TcxIngress { "ingress" } else { "egress" };
+        let dir = if ty == gardenet_agent::links::pinned::AttachType::TcxIngress { "ingress" } else { "egress" };
         let out = Command::new("tc").args(["-n", &self.name, "filter", "show", "dev", iface, dir]).output()?;
         if !out.status.success() {
             bail!("tc filter show dev {iface} {dir}: {}", String::from_utf8_lossy(&out.stderr));
@@ -303,7 +303,7 @@ impl Netns {
         Ok(filters.filter_map(|l| l.split_whitespace().find(|w| w.starts_with("gn_")).map(String::from)).collect())
     }
 
-    pub fn tcx_programs(&self, iface: &str, ty: gardenet_agent::pinned_link::AttachType) -> Result<Vec<String>> {
+    pub fn tcx_programs(&self, iface: &str, ty: gardenet_agent::links::pinned::AttachType) -> Result<Vec<String>> {
         let iface = CString::new(iface)?;
         self.run_in(move || -> Result<Vec<String>> {
             // SAFETY: valid C string.
@@ -311,17 +311,17 @@ impl Netns {
             if idx == 0 {
                 bail!("no such interface");
             }
-            let ids = gardenet_agent::pinned_link::prog_query(idx, ty)?;
-            Ok(ids.into_iter().map(|id| gardenet_agent::pinned_link::prog_name(id).unwrap_or_default()).collect())
+            let ids = gardenet_agent::links::pinned::prog_query(idx, ty)?;
+            Ok(ids.into_iter().map(|id| gardenet_agent::links::pinned::prog_name(id).unwrap_or_default()).collect())
         })?
     }
 }
 
 impl TestCgroup {
     /// Names of the programs attached to this cgroup at a hook (kernel's view).
-    pub fn programs(&self, ty: gardenet_agent::pinned_link::AttachType) -> Result<Vec<String>> {
+    pub fn programs(&self, ty: gardenet_agent::links::pinned::AttachType) -> Result<Vec<String>> {
         let f = fs::File::open(&self.path)?;
-        let ids = gardenet_agent::pinned_link::prog_query(f.as_raw_fd() as u32, ty)?;
-        Ok(ids.into_iter().map(|id| gardenet_agent::pinned_link::prog_name(id).unwrap_or_default()).collect())
+        let ids = gardenet_agent::links::pinned::prog_query(f.as_raw_fd() as u32, ty)?;
+        Ok(ids.into_iter().map(|id| gardenet_agent::links::pinned::prog_name(id).unwrap_or_default()).collect())
     }
 }

@@ -6,7 +6,7 @@ use std::{
     time::Duration,
 };
 
-use gardenet_agent::pinned_link::AttachType;
+use gardenet_agent::links::pinned::AttachType;
 use gardenet_tests::lab::{counts, node_yaml, service_yaml, slice_yaml, slice_yaml_on, Agent, AgentOpts, Lab, NODE_ADDR, NODE_NAME};
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -24,7 +24,7 @@ fn one_of_each(lab: &Lab) {
     assert_eq!(lab.node.tc_programs("nc0", AttachType::TcxIngress).unwrap(), ["gn_tc_ingress"]);
     assert_eq!(lab.node.tc_programs("nc0", AttachType::TcxEgress).unwrap(), ["gn_tc_egress"]);
     // Kernels without bpf_set_retval run the EPERM twins.
-    let nr = if gardenet_agent::features::KernelFeatures::probe().set_retval { "" } else { "_nr" };
+    let nr = if gardenet_agent::dataplane::features::KernelFeatures::probe().set_retval { "" } else { "_nr" };
     assert_eq!(lab.cgroup.programs(AttachType::Connect4).unwrap(), [format!("gn_connect4{nr}")]);
     assert_eq!(lab.cgroup.programs(AttachType::Sendmsg4).unwrap(), [format!("gn_sendmsg4{nr}")]);
     assert_eq!(lab.cgroup.programs(AttachType::Recvmsg4).unwrap(), ["gn_recvmsg4"]);
@@ -240,7 +240,7 @@ fn health_readiness_and_metrics_endpoints() {
     }
     assert!(text.contains("sock_translated"), "datapath counters exported:\n{text}");
     // The kernel facilities the agent found, as this test's own probe finds them.
-    for f in gardenet_agent::features::KernelFeatures::probe().list() {
+    for f in gardenet_agent::dataplane::features::KernelFeatures::probe().list() {
         let line = format!("gardenet_kernel_feature{{feature=\"{}\"}} {}", f.name, u8::from(f.present));
         assert!(text.contains(&line), "/metrics lacks {line:?}:\n{text}");
     }

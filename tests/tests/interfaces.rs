@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gardenet_agent::pinned_link::AttachType;
+use gardenet_agent::links::pinned::AttachType;
 use gardenet_tests::{
     lab::{Agent, AgentOpts},
     netns::{require_root, sweep_leftovers, unique_tag, Netns},
@@ -168,7 +168,7 @@ fn restarts_do_not_stack_and_foreign_filters_survive() {
     let mut cmd = ns.command(&agent.bin, None).unwrap();
     let table = cmd.args(["links", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
     let table = String::from_utf8_lossy(&table.stdout);
-    let features = gardenet_agent::features::KernelFeatures::probe();
+    let features = gardenet_agent::dataplane::features::KernelFeatures::probe();
     assert!(table.contains(&features.summary()), "links shows the kernel's facilities and fallbacks:\n{table}");
     // Stop for good with --detach-on-exit: ours go, the foreign filter stays.
     agent.stop();

@@ -1,6 +1,6 @@
 //! The kernel feature probe and the fallbacks it selects, on whatever kernel this runs on
 //! (the host's, or one of the kernel matrix's VMs: `cargo xtask test --kernel all`).
-use gardenet_agent::features::KernelFeatures;
+use gardenet_agent::dataplane::features::KernelFeatures;
 
 #[test]
 fn probe_agrees_with_the_kernel_release() {

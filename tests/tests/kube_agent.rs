@@ -187,7 +187,7 @@ async fn agent_stays_passive_while_kube_proxy_routes_services() {
     let (mut agent, rx) = spawn_agent(&lab, &kubeconfig, &bpffs, &dir, &["--kube-proxy-enabled", "true"]);
     wait_for(&rx, "stays passive");
     std::thread::sleep(Duration::from_millis(500));
-    assert!(lab.cgroup.programs(gardenet_agent::pinned_link::AttachType::Connect4).unwrap().is_empty(), "nothing attached while kube-proxy routes");
+    assert!(lab.cgroup.programs(gardenet_agent::links::pinned::AttachType::Connect4).unwrap().is_empty(), "nothing attached while kube-proxy routes");
     assert!(!bpffs.exists(), "nothing loaded or pinned");
     agent.terminate();
     let _ = std::fs::remove_dir_all(&dir);

@@ -57,7 +57,7 @@ fn node_port_to_a_backend_on_another_node_is_source_natted() {
     agent.wait_backends(&format!("{np}/tcp"), 1).unwrap();
     let listed = agent.lb_list().unwrap();
     let fe = listed.as_array().unwrap().iter().find(|f| f["frontend"]["port"] == 30080 && f["frontend"]["proto"] == "tcp").unwrap();
-    if !gardenet_agent::features::KernelFeatures::probe().fib_lookup_src {
+    if !gardenet_agent::dataplane::features::KernelFeatures::probe().fib_lookup_src {
         // Kernels before 6.7 cannot look up the node's source address: DNAT only, said at
         // start, and here the reply then bypasses the node, as without any source NAT.
         assert_ne!(fe["snat_remote"], true, "{fe}");

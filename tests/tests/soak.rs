@@ -23,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use gardenet_agent::pinned_link::AttachType;
+use gardenet_agent::links::pinned::AttachType;
 use gardenet_tests::{
     lab::{Agent, AgentOpts},
     two_nodes::{local_pod, local_pod6, node_yaml, service_yaml, slices_yaml, TwoNodes, NODE_ADDR, NODE_ADDR6, NODE_NAME, POD, POD6},
@@ -198,7 +198,7 @@ fn one_program_per_hook(w: &TwoNodes) {
         assert_eq!(w.node.tc_programs(iface, AttachType::TcxIngress).unwrap(), ["gn_tc_ingress"], "{iface}");
         assert_eq!(w.node.tc_programs(iface, AttachType::TcxEgress).unwrap(), ["gn_tc_egress"], "{iface}");
     }
-    let nr = if gardenet_agent::features::KernelFeatures::probe().set_retval { "" } else { "_nr" };
+    let nr = if gardenet_agent::dataplane::features::KernelFeatures::probe().set_retval { "" } else { "_nr" };
     for (ty, prog) in [
         (AttachType::Connect4, format!("gn_connect4{nr}")),
         (AttachType::Sendmsg4, format!("gn_sendmsg4{nr}")),
@@ -217,7 +217,7 @@ fn kill9_under_load_loses_no_connection() {
     let w = TwoNodes::new(3).unwrap();
     w.client.ip(&["addr", "add", &format!("{SOCK_CLIENT}/24"), "dev", "c0"]).unwrap();
     w.client.ip(&["-6", "addr", "add", &format!("{SOCK_CLIENT6}/64"), "dev", "c0", "nodad"]).unwrap();
-    let snat = gardenet_agent::features::KernelFeatures::probe().fib_lookup_src;
+    let snat = gardenet_agent::dataplane::features::KernelFeatures::probe().fib_lookup_src;
     // Without BPF_FIB_LOOKUP_SRC (kernels before 6.7 unless backported) there is no source NAT
     // to other nodes: the NodePort then goes to a pod on this node (DNAT only), one that the
     // ClusterIP does not use (TC LB keeps client ports: the client's flows to the ClusterIP

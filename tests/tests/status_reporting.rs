@@ -1,4 +1,4 @@
-//! Status reporting (`gardenet_agent::status`) against the API server double: the Node
+//! Status reporting (`gardenet_agent::report`) against the API server double: the Node
 //! condition each agent writes, the Lease election, and the Network status the leader writes.
 use std::{
     future::Future,
@@ -15,8 +15,8 @@ use gardenet_agent::{
         network::Network,
         PROVIDER_API_VERSION,
     },
-    health::AgentState,
-    status::{
+    report::health::AgentState,
+    report::{
         network::Outcome, node::Report, shutdown_channel, Elector, Leadership, LeaseTiming, NetworkRef, NetworkReporter, NetworkReporterConfig, NodeReporter,
         NodeReporterConfig,
     },

@@ -389,7 +389,7 @@ fn agent_condition(kind: &str, status: &str, reason: &str, message: String, now:
     }
 }
 
-/// The Node condition that says a datapath map is at least 90% full (`crate::mapfill`): True
+/// The Node condition that says a datapath map is at least 90% full (`crate::dataplane::mapfill`): True
 /// with one line per map under pressure, False once all are below again.
 pub fn map_pressure_condition(pressure: &[String], now: &Time) -> NodeCondition {
     let (status, reason, message) = if pressure.is_empty() {

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize, Serializer};
 
 use super::network::Network;
 use super::{NETWORK_TYPE, PROVIDER_API_VERSION};
-use crate::model::Cidr;
+use crate::desired::Cidr;
 
 /// `kind` of gardenet's provider config.
 pub const KIND: &str = "NetworkConfig";

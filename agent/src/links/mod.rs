@@ -25,6 +25,7 @@
 //! ```
 
 pub mod manager;
+pub mod pinned;
 pub mod select;
 pub mod watch;
 

@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
 use super::{EventTx, SourceEvent};
-use crate::view::{ServiceCidrView, ServiceView, SliceView};
+use crate::source::objects::{ServiceCidrView, ServiceView, SliceView};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Object {
@@ -71,7 +71,7 @@ pub fn parse_manifests(text: &str, origin: &str) -> Result<Vec<(ObjKey, Object)>
         }
         let name_of = |m: &ObjectMeta| m.name.clone().with_context(|| format!("{what}: metadata.name is missing"));
         let ns_of = |m: &ObjectMeta| m.namespace.clone().unwrap_or_else(|| "default".into());
-        // Services and slices are digested right away (see `crate::view`).
+        // Services and slices are digested right away (see `crate::source::objects`).
         let (kind, ns, name, obj) = match kind {
             "Service" => {
                 let o: Service = typed(v, &what)?;

@@ -26,7 +26,7 @@
 //! the watch goes on; the function only returns when the event receiver is dropped.
 //!
 //! Cost: like a reflector, this keeps one copy of every watched object, digested to what
-//! translation reads (`crate::view`); the Node whole, without managedFields.
+//! translation reads (`crate::source::objects`); the Node whole, without managedFields.
 use std::{collections::BTreeMap, fmt::Debug, path::PathBuf, sync::Arc};
 
 use anyhow::Context as _;
@@ -47,7 +47,7 @@ use kube::{
 use serde::de::DeserializeOwned;
 
 use super::{EventTx, SourceEvent};
-use crate::view::{ServiceCidrView, ServiceView, SliceView};
+use crate::source::objects::{ServiceCidrView, ServiceView, SliceView};
 
 /// Builds a client from `kubeconfig` if given, else from the environment (`KUBECONFIG`,
 /// `~/.kube/config`, then the in-cluster service account).

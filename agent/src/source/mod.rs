@@ -5,12 +5,14 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
+    source::objects::{ServiceCidrView, ServiceView, SliceView},
     translate::LocalRedirect,
-    view::{ServiceCidrView, ServiceView, SliceView},
 };
 
 pub mod dir;
 pub mod kube;
+pub mod listeners;
+pub mod objects;
 
 /// One change seen by a source. Services and EndpointSlices arrive digested (only what
 /// translation reads) and shared (`Arc`): a source that keeps its own cache and the pipeline
@@ -32,7 +34,7 @@ pub enum SourceEvent {
     Synced,
     /// A full relist begins (e.g. after `410 Gone`); followed by the objects and `Synced`.
     Resync,
-    /// What listens on a local-redirect rule's address changed (`crate::listeners`): the
+    /// What listens on a local-redirect rule's address changed (`crate::source::listeners`): the
     /// rule's Service is translated again. Not sent by the Service sources.
     LocalRedirectChanged(LocalRedirect),
 }

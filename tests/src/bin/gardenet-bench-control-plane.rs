@@ -38,13 +38,13 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gardenet_agent::{
+    dataplane::lbmap::{LbMaps, LbState, MapDump, MemMaps},
     dataplane::{AyaLbMaps, Dataplane, MapSizes},
-    lbmap::{LbMaps, LbState, MapDump, MemMaps},
-    model::{Backend, Frontend, Proto},
+    desired::{Backend, Frontend, Proto},
     pipeline::Pipeline,
+    source::objects::{EndpointView, ServiceView, SliceView},
     source::{dir::DirState, SourceEvent},
     translate::{self, NodeInfo},
-    view::{EndpointView, ServiceView, SliceView},
 };
 use k8s_openapi::{
     api::{

@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-use gardenet_agent::lbmap::{MapDump, ServiceNet};
+use gardenet_agent::dataplane::lbmap::{MapDump, ServiceNet};
 use gardenet_common::*;
 
 use check::{Backend, Conntrack, CtKey, CtVal, Frontend, Maps, Net};

@@ -82,7 +82,7 @@ async fn serve(port: u16, state: Shared) {
             .body(Full::new(Bytes::from(body)))
             .unwrap_or_default()
     };
-    if let Err(e) = crate::health::serve_http_limited(l, "healthCheckNodePort", crate::health::HTTP_LIMITS, respond).await {
+    if let Err(e) = crate::report::health::serve_http_limited(l, "healthCheckNodePort", crate::report::health::HTTP_LIMITS, respond).await {
         tracing::warn!("healthCheckNodePort {port}: {e:#}");
     }
 }

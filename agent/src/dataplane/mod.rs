@@ -1,5 +1,11 @@
 //! Loads the embedded eBPF object, pins its maps, attaches socket LB to a cgroup2 directory
 //! and TC LB to interfaces, and gives the map writer typed access to the maps.
+pub mod features;
+pub mod layout;
+pub mod lbmap;
+pub mod mapfill;
+pub mod sockterm;
+
 use std::{
     collections::HashSet,
     fs,
@@ -19,10 +25,10 @@ use aya::{
 use gardenet_common::*;
 
 use crate::{
-    features::KernelFeatures,
-    lbmap::{one_by_one, Addr, Batch, BatchError, Elems, Entry, Key, LbMaps, MapDump, MapError, MapKind, MapWrite, RangeKey, ServiceNet, Write},
-    model::Cidr,
-    pinned_link::{self, AttachType, Attached, Target},
+    dataplane::features::KernelFeatures,
+    dataplane::lbmap::{one_by_one, Addr, Batch, BatchError, Elems, Entry, Key, LbMaps, MapDump, MapError, MapKind, MapWrite, RangeKey, ServiceNet, Write},
+    desired::Cidr,
+    links::pinned::{self, AttachType, Attached, Target},
 };
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at compile time.
@@ -62,7 +68,7 @@ pub struct Dataplane {
     /// What this kernel offers; decides the programs and attachments used.
     pub features: KernelFeatures,
     /// Pinned maps replaced at load, to finish once the programs are attached.
-    migration: Option<crate::layout::Migration>,
+    migration: Option<crate::dataplane::layout::Migration>,
 }
 
 /// Where TC LB sits on kernels without tcx: a cls_bpf filter on the clsact qdisc at this
@@ -139,7 +145,7 @@ fn size_overrides(sizes: &MapSizes) -> [(&'static str, u32); 12] {
 }
 
 impl Dataplane {
-    /// Completes a migration of pinned maps (`crate::layout`) once the programs are attached:
+    /// Completes a migration of pinned maps (`crate::dataplane::layout`) once the programs are attached:
     /// copies the entries the old programs created meanwhile, removes the old pins.
     pub fn finish_migration(&mut self) -> Result<()> {
         if let Some(m) = self.migration.take() {
@@ -158,14 +164,14 @@ impl Dataplane {
     /// [`Dataplane::load`] for a kernel described by `features` (tests pass a reduced set to
     /// exercise fallbacks on a newer kernel).
     pub fn load_with(pin_dir: &Path, sizes: MapSizes, features: KernelFeatures) -> Result<Self> {
-        crate::features::raise_memlock_limit();
+        crate::dataplane::features::raise_memlock_limit();
         if let Some(why) = features.missing_required() {
             bail!("{why}: gardenet needs BTF, cgroup bpf_links and the getpeername hooks (Linux >= 5.10)");
         }
         ensure_bpffs(pin_dir)?;
         fs::create_dir_all(pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
         let sizes = size_overrides(&sizes);
-        let migration = crate::layout::prepare(pin_dir, &crate::layout::expected(EBPF_OBJECT, &sizes)?)?;
+        let migration = crate::dataplane::layout::prepare(pin_dir, &crate::dataplane::layout::expected(EBPF_OBJECT, &sizes)?)?;
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir);
         for (map, entries) in sizes {
@@ -173,7 +179,7 @@ impl Dataplane {
         }
         let mut ebpf = loader.load(EBPF_OBJECT).context("loading the eBPF object")?;
         migration.copy(false)?;
-        crate::layout::write_version(pin_dir)?;
+        crate::dataplane::layout::write_version(pin_dir)?;
         // Only the programs this kernel can run are loaded (and so verified).
         for name in sock_programs(&features).into_iter().map(|(name, _, _)| name) {
             let p: &mut CgroupSockAddr = prog_mut(&mut ebpf, name)?;
@@ -219,7 +225,7 @@ impl Dataplane {
         let pin = self.pin_dir.join("links").join(format!("{}-{key}", hook.replace('/', "-")));
         let fd = self.ebpf.program(prog).with_context(|| format!("program {prog} missing"))?.fd()?.as_fd().try_clone_to_owned()?;
         let (link, how) =
-            pinned_link::attach_pinned(fd.as_fd(), target_raw, want, ty, flags, &pin).with_context(|| format!("attaching {prog} ({hook}) to {target}"))?;
+            pinned::attach_pinned(fd.as_fd(), target_raw, want, ty, flags, &pin).with_context(|| format!("attaching {prog} ({hook}) to {target}"))?;
         self.links.retain(|l| l.pin.as_ref() != Some(&pin));
         let ifindex = match want {
             Target::Ifindex(i) => Some(i),
@@ -271,7 +277,7 @@ impl Dataplane {
     pub fn attach_socket_lb(&mut self, cgroup: &Path) -> Result<()> {
         use std::os::fd::AsRawFd;
         let f = fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
-        let id = pinned_link::cgroup_id(cgroup)?;
+        let id = pinned::cgroup_id(cgroup)?;
         let target = cgroup.display().to_string();
         for (name, ty, hook) in sock_programs(&self.features) {
             self.attach_link(name, f.as_raw_fd() as u32, Target::Cgroup { id }, ty, hook, "cgroup").with_context(|| format!("cgroup {target}"))?;
@@ -669,7 +675,7 @@ impl AyaLbMaps {
 fn dump_service_nets(m: &LpmTrie<MapData, Ip6, u8>) -> Vec<(Cidr, ServiceNet)> {
     m.iter()
         .filter_map(|r| r.ok())
-        .filter_map(|(k, v)| Some((crate::lbmap::service_net_of_key(k.prefix_len(), k.data())?, ServiceNet::from_value(v)?)))
+        .filter_map(|(k, v)| Some((crate::dataplane::lbmap::service_net_of_key(k.prefix_len(), k.data())?, ServiceNet::from_value(v)?)))
         .collect()
 }
 
@@ -711,12 +717,12 @@ impl LbMaps for AyaLbMaps {
     }
 
     fn put_service_net(&mut self, net: &Cidr, kind: ServiceNet) -> Result<(), MapError> {
-        let (len, data) = crate::lbmap::service_net_key(net);
+        let (len, data) = crate::dataplane::lbmap::service_net_key(net);
         self.service_nets.insert(&LpmKey::new(len, data), kind.value(), 0).map_err(|e| map_err(MAP_SERVICE_NETS, format!("put {net}"), e))
     }
 
     fn del_service_net(&mut self, net: &Cidr) -> Result<(), MapError> {
-        let (len, data) = crate::lbmap::service_net_key(net);
+        let (len, data) = crate::dataplane::lbmap::service_net_key(net);
         ignore_missing(self.service_nets.remove(&LpmKey::new(len, data))).map_err(|e| map_err(MAP_SERVICE_NETS, format!("delete {net}"), e))
     }
 
@@ -785,7 +791,7 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
 /// backends, in both families: the forward entry, its reply entry and, for a source-NATed
 /// flow, its source-NAT pair. The next packet of such a flow then selects a current backend.
 /// Walks the whole map: call it off the run loop. Returns the number of flows removed.
-pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::model::Frontend, crate::model::Backend)]) -> Result<usize> {
+pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::desired::Frontend, crate::desired::Backend)]) -> Result<usize> {
     let wanted: HashSet<FlowId> =
         stale.iter().filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4()).map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port)).collect();
     let mut purged = 0;
@@ -860,7 +866,7 @@ where
 /// Capacity of the conntrack maps (both families), as created.
 /// Fill of each family's conntrack map (`conntrack_ipv4`, and `conntrack_ipv6` where it is
 /// pinned). Walks the maps: keep it off the run loop.
-pub fn conntrack_fill(pin_dir: &Path) -> Result<Vec<crate::mapfill::Fill>> {
+pub fn conntrack_fill(pin_dir: &Path) -> Result<Vec<crate::dataplane::mapfill::Fill>> {
     let mut out = vec![fill_of::<CtKey4, CtValue4>(&pin_dir.join(MAP_CT), "conntrack_ipv4")?];
     if pin_dir.join(MAP_CT6).exists() {
         out.push(fill_of::<CtKey6, CtValue6>(&pin_dir.join(MAP_CT6), "conntrack_ipv6")?);
@@ -868,11 +874,11 @@ pub fn conntrack_fill(pin_dir: &Path) -> Result<Vec<crate::mapfill::Fill>> {
     Ok(out)
 }
 
-fn fill_of<K: aya::Pod, V: aya::Pod>(pin: &Path, map: &'static str) -> Result<crate::mapfill::Fill> {
+fn fill_of<K: aya::Pod, V: aya::Pod>(pin: &Path, map: &'static str) -> Result<crate::dataplane::mapfill::Fill> {
     let data = MapData::from_pin(pin)?;
     let capacity = data.info()?.max_entries() as usize;
     let ct: BpfHashMap<MapData, K, V> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-    Ok(crate::mapfill::Fill { map, entries: ct.keys().filter(|k| k.is_ok()).count(), capacity })
+    Ok(crate::dataplane::mapfill::Fill { map, entries: ct.keys().filter(|k| k.is_ok()).count(), capacity })
 }
 
 #[cfg(test)]

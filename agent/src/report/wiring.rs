@@ -17,8 +17,8 @@ use super::{
 };
 use crate::{
     gardener::config::NetworkConfig,
-    health::{self, AgentState, InterfaceState},
-    metrics::{ErrorKind, Metrics},
+    report::health::{self, AgentState, InterfaceState},
+    report::metrics::{ErrorKind, Metrics},
     source,
 };
 

@@ -40,7 +40,7 @@ use std::{
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use gardenet_common::{ip6_octets, Ip6, SockRevNatKey4, SockRevNatKey6, SockRevNatValue4, SockRevNatValue6, MAP_SOCK_REVNAT, MAP_SOCK_REVNAT6};
 
-use crate::model::{Backend, Frontend, Proto};
+use crate::desired::{Backend, Frontend, Proto};
 
 /// Why terminating sockets failed as a whole (single sockets that fail are counted instead).
 #[derive(Debug, thiserror::Error)]

@@ -268,8 +268,8 @@ pub trait LbMaps {
 
     /// Service ranges and ClusterIPs (`GN_SVCNET`, value `SVCNET_*`; one trie for both
     /// families).
-    fn put_service_net(&mut self, net: &crate::model::Cidr, kind: super::ServiceNet) -> Result<(), MapError>;
-    fn del_service_net(&mut self, net: &crate::model::Cidr) -> Result<(), MapError>;
+    fn put_service_net(&mut self, net: &crate::desired::Cidr, kind: super::ServiceNet) -> Result<(), MapError>;
+    fn del_service_net(&mut self, net: &crate::desired::Cidr) -> Result<(), MapError>;
 
     /// Applies the elements of `b` in order, as if one by one (a reader may see any prefix),
     /// and stops at the first that fails: [`BatchError::done`] elements were written. Deleting

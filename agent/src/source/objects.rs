@@ -9,7 +9,7 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
 
-use crate::model::{Cidr, Proto};
+use crate::desired::{Cidr, Proto};
 
 /// Label that hands a Service to a specific proxy; gardenet only takes unlabelled ones
 /// (or the ones labelled with its own name).

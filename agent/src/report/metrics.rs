@@ -1,4 +1,4 @@
-//! Prometheus metrics of the agent, served on `/metrics` by [`crate::health::serve`].
+//! Prometheus metrics of the agent, served on `/metrics` by [`crate::report::health::serve`].
 //!
 //! The run loop owns no metric objects: it calls the plain methods of [`Metrics`] with what
 //! it already has (a [`FlushReport`], the datapath counters, map sizes), so the pipeline and
@@ -240,10 +240,10 @@ impl Metrics {
     }
 
     /// `gardenet_socket_terminations_total{protocol="udp"|"tcp", result="destroyed"|"failed"|"busy"}`.
-    pub fn observe_socket_termination(&self, t: &crate::sockterm::Terminated) {
+    pub fn observe_socket_termination(&self, t: &crate::dataplane::sockterm::Terminated) {
         let protocol = match t.proto {
-            crate::model::Proto::Tcp => "tcp",
-            crate::model::Proto::Udp => "udp",
+            crate::desired::Proto::Tcp => "tcp",
+            crate::desired::Proto::Udp => "udp",
         };
         for (result, n) in [("destroyed", t.destroyed), ("failed", t.failed), ("busy", t.busy)] {
             self.socket_terminations.get_or_create(&TerminationLabel { protocol, result }).inc_by(n as u64);
@@ -251,7 +251,7 @@ impl Metrics {
     }
 
     /// Fill level of one map: alert on `entries / capacity` or on `gardenet_map_pressure`.
-    pub fn set_map_fill(&self, fill: &crate::mapfill::Fill) {
+    pub fn set_map_fill(&self, fill: &crate::dataplane::mapfill::Fill) {
         let label = MapLabel { map: fill.map.to_owned() };
         self.map_entries.get_or_create(&label).set(gauge_value(fill.entries));
         self.map_capacity.get_or_create(&label).set(gauge_value(fill.capacity));
@@ -259,17 +259,17 @@ impl Metrics {
     }
 
     /// `gardenet_kernel_feature{feature}`: 1 where the running kernel has it (see `features`).
-    pub fn set_kernel_features(&self, features: &[crate::features::Feature]) {
+    pub fn set_kernel_features(&self, features: &[crate::dataplane::features::Feature]) {
         for f in features {
             self.kernel_features.get_or_create(&FeatureLabel { feature: f.name.to_owned() }).set(i64::from(f.present));
         }
     }
 
-    /// `gardenet_local_redirect_active{service,protocol,port}` (see `crate::listeners`).
-    pub fn set_local_redirect(&self, service: &str, proto: crate::model::Proto, port: u16, active: bool) {
+    /// `gardenet_local_redirect_active{service,protocol,port}` (see `crate::source::listeners`).
+    pub fn set_local_redirect(&self, service: &str, proto: crate::desired::Proto, port: u16, active: bool) {
         let protocol = match proto {
-            crate::model::Proto::Tcp => "tcp",
-            crate::model::Proto::Udp => "udp",
+            crate::desired::Proto::Tcp => "tcp",
+            crate::desired::Proto::Udp => "udp",
         };
         self.local_redirect_active.get_or_create(&RedirectLabel { service: service.to_owned(), protocol, port: port.to_string() }).set(i64::from(active));
     }
@@ -328,7 +328,7 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lbmap::Writes;
+    use crate::dataplane::lbmap::Writes;
 
     fn problem(kind: ProblemKind, m: &str) -> Problem {
         Problem::service("d/a", kind, m)
@@ -358,14 +358,14 @@ mod tests {
         m.set_programmed(3, 4, 2);
         m.set_datapath(&[("sock_lb_hits", 42), ("tc_lb_hits", 7)]);
         m.set_datapath(&[("sock_lb_hits", 40)]);
-        m.set_map_fill(&crate::mapfill::Fill { map: "services", entries: 10, capacity: 65536 });
-        m.set_map_fill(&crate::mapfill::Fill { map: "conntrack", entries: 950, capacity: 1000 });
+        m.set_map_fill(&crate::dataplane::mapfill::Fill { map: "services", entries: 10, capacity: 65536 });
+        m.set_map_fill(&crate::dataplane::mapfill::Fill { map: "conntrack", entries: 950, capacity: 1000 });
         m.set_conntrack_entries(9);
         m.set_interface("eth0", true);
         m.set_interface("eth1", false);
-        m.set_local_redirect("kube-system/kube-dns", crate::model::Proto::Udp, 53, true);
-        m.set_local_redirect("kube-system/kube-dns", crate::model::Proto::Tcp, 53, true);
-        m.set_local_redirect("kube-system/kube-dns", crate::model::Proto::Tcp, 53, false);
+        m.set_local_redirect("kube-system/kube-dns", crate::desired::Proto::Udp, 53, true);
+        m.set_local_redirect("kube-system/kube-dns", crate::desired::Proto::Tcp, 53, true);
+        m.set_local_redirect("kube-system/kube-dns", crate::desired::Proto::Tcp, 53, false);
         m.error(ErrorKind::Attach);
         let text = m.encode();
         for line in [

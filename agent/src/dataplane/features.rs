@@ -11,7 +11,7 @@ use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
 
-use crate::pinned_link::{put_u32, put_u64, sys_bpf};
+use crate::links::pinned::{put_u32, put_u64, sys_bpf};
 
 /// One probed facility: its name (metric label and `links` key), whether the kernel has it,
 /// and what gardenet does without it.
@@ -59,7 +59,7 @@ impl KernelFeatures {
             set_retval: probe_helper(BPF_PROG_TYPE_CGROUP_SOCK_ADDR, ATTACH_CGROUP_INET4_CONNECT, HELPER_SET_RETVAL),
             getpeername_hooks: load_trivial(BPF_PROG_TYPE_CGROUP_SOCK_ADDR, ATTACH_CGROUP_INET4_GETPEERNAME).is_ok(),
             fib_lookup_src: probe_fib_lookup_src(),
-            sock_destroy: crate::sockterm::probe().is_ok(),
+            sock_destroy: crate::dataplane::sockterm::probe().is_ok(),
         }
     }
 

@@ -38,7 +38,7 @@ use crate::{
         aggregate::{map_pressure_condition, node_condition},
         capability::CapabilityReport,
     },
-    health::AgentState,
+    report::health::AgentState,
 };
 
 /// Message of the condition an agent leaves behind when it stops *and detaches its

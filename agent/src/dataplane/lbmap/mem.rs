@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use gardenet_common::{AffinityMatchKey, Backend as BackendValue, Ip6, ServiceKey, ServiceValue, SVC_FLAG_SOURCE_RANGES};
 
 use super::{svc_key, Addr, Batch, BatchError, Entry, Key, LbMaps, MapDump, MapError, MapWrite, RangeKey, ServiceNet, SvcKey, Write};
-use crate::model::{Cidr, Frontend};
+use crate::desired::{Cidr, Frontend};
 
 /// One family's hash maps.
 #[derive(Debug, Default)]

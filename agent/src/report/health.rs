@@ -39,7 +39,7 @@ use hyper::{
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{net::TcpListener, sync::watch};
 
-use crate::metrics::{self, Metrics};
+use crate::report::metrics::{self, Metrics};
 
 /// How long the run loop may go without a beat before `/healthz` fails.
 pub const DEFAULT_LIVENESS_TIMEOUT: Duration = Duration::from_secs(30);
@@ -77,7 +77,7 @@ pub struct Readiness {
     pub last_sync_at: Option<std::time::SystemTime>,
     /// Dataplane prerequisites this node lacks (`gardener::capability::check`).
     pub missing: Vec<String>,
-    /// Maps at least 90% full, one line each (`crate::mapfill`): not a readiness condition,
+    /// Maps at least 90% full, one line each (`crate::dataplane::mapfill`): not a readiness condition,
     /// reported as the Node's `GardenetMapPressure` condition.
     pub map_pressure: Vec<String>,
 }

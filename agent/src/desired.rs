@@ -1,5 +1,5 @@
 //! The desired dataplane state: frontends and the backends behind them. Sources and
-//! translation produce it; the map writer (`lbmap`) programs it.
+//! translation produce it; the map writer (`dataplane::lbmap`) programs it.
 use std::{
     collections::BTreeMap,
     fmt,

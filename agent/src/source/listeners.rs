@@ -29,7 +29,7 @@ use std::{
 
 use tokio::sync::mpsc::WeakSender;
 
-use crate::{gardener::config::LocalRedirectRule, metrics::Metrics, model::Proto, source::SourceEvent, translate::LocalRedirect};
+use crate::{desired::Proto, gardener::config::LocalRedirectRule, report::metrics::Metrics, source::SourceEvent, translate::LocalRedirect};
 
 /// How often the socket tables are read.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(100);

@@ -1,11 +1,14 @@
-//! Reporting readiness to Kubernetes and Gardener.
+//! Reporting: readiness to Kubernetes and Gardener, health and metrics over HTTP, Events.
 //!
 //! - [`node::NodeReporter`]: every agent keeps the `GardenetAgentReady` condition on its own
 //!   Node current (on change, and as a heartbeat so a dead agent's `True` goes stale).
 //! - [`lease::Elector`]: the agents elect one of them with a `coordination.k8s.io` Lease.
 //! - [`network::NetworkReporter`]: the elected agent aggregates the Nodes' conditions into
 //!   the Gardener `Network`'s status (possibly in another cluster: the seed).
-//! - [`agent`]: the flags and the start/stop of all of the above for `gardenet-agent run`.
+//! - [`health`] (`/healthz`, `/readyz`, `/metrics` from [`metrics`]) and [`healthcheck`]
+//!   (kube-proxy's per-Service `healthCheckNodePort` servers): what the agent serves over HTTP.
+//! - [`events`]: Kubernetes Events for what could not be programmed.
+//! - [`wiring`]: the flags and the start/stop of all of the above for `gardenet-agent run`.
 //!
 //! The decisions (which condition, which status) are pure functions in
 //! [`crate::gardener::aggregate`]; this module only reads, writes and retries. Each writer
@@ -15,20 +18,24 @@
 //! Every API call has a deadline ([`timed`]): a hung request must not keep a leader from
 //! noticing that its lease ran out, nor a reporter from its next heartbeat.
 
-pub mod agent;
+pub mod events;
+pub mod health;
+pub mod healthcheck;
 pub mod lease;
+pub mod metrics;
 pub mod network;
 pub mod node;
+pub mod wiring;
 
 use std::{future::Future, time::Duration};
 
 use anyhow::anyhow;
 use tokio::sync::watch;
 
-pub use agent::{report_interfaces, serve_endpoints, serve_proxy_healthz, OptionalAddr, Reporting, StatusArgs};
 pub use lease::{Elector, Leadership, LeaseTiming};
 pub use network::{NetworkRef, NetworkReporter, NetworkReporterConfig};
 pub use node::{NodeReporter, NodeReporterConfig};
+pub use wiring::{report_interfaces, serve_endpoints, serve_proxy_healthz, OptionalAddr, Reporting, StatusArgs};
 
 /// Tells the reporters and the elector to stop (and release / report what they hold):
 /// send `true`, or drop the sender.

@@ -26,7 +26,7 @@ use gardenet_common::{
     SVC_FLAG_SNAT_REMOTE, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES,
 };
 
-use crate::model::{Backend, Cidr, Frontend, FrontendSpec, Proto, Scope};
+use crate::desired::{Backend, Cidr, Frontend, FrontendSpec, Proto, Scope};
 
 mod batch;
 mod maps;
