@@ -368,7 +368,7 @@ pub struct LbState {
     next_id: u32,
     /// Source ranges in the maps, by frontend (also ones whose master is gone: an upsert of
     /// that frontend then removes what it does not want).
-    ranges: HashMap<Frontend, BTreeSet<Cidr>>,
+    ranges: HashMap<Frontend, BTreeSet<Cidr>, foldhash::fast::RandomState>,
 }
 
 /// `GN_SVC4` key of an IPv4 frontend (for an IPv6 one, use [`svc_key`]; this one then panics).
@@ -597,7 +597,7 @@ impl LbState {
             }
             st.frontends.insert(fe, Programmed { slots: ids, affinity_timeout: v.affinity_timeout, flags: v.flags });
         }
-        st.ranges = dump.ranges_by_frontend();
+        st.ranges = dump.ranges_by_frontend().into_iter().collect();
         st
     }
 

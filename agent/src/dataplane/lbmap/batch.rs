@@ -206,7 +206,7 @@ impl LbState {
     pub fn apply(&mut self, maps: &mut impl LbMaps, ops: &[Op]) -> Vec<Result<Writes, MapError>> {
         let mut out = Vec::with_capacity(ops.len());
         let mut start = 0;
-        let mut seen: HashSet<Frontend> = HashSet::new();
+        let mut seen: HashSet<Frontend, foldhash::fast::RandomState> = HashSet::default();
         for (i, op) in ops.iter().enumerate() {
             if !seen.insert(*op.frontend()) {
                 out.extend(self.apply_distinct(maps, &ops[start..i]));
