@@ -1,5 +1,6 @@
 pub mod apiserver;
 pub mod bpfstats;
+pub mod cases;
 pub mod corpus;
 pub mod lab;
 pub mod netns;

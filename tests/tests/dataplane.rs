@@ -6,9 +6,12 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use gardenet_tests::lab::{
-    assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts,
-    refusal_outcome, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
+use gardenet_tests::{
+    cases::{self, assert_spread},
+    lab::{
+        assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts,
+        service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
+    },
 };
 
 /// One lab at a time: tests share the machine's two cores and keep timings sane.
@@ -34,52 +37,25 @@ fn setup(opts: AgentOpts, backends: &[usize]) -> (Lab, Agent) {
     (lab, agent)
 }
 
-fn assert_spread(v: &serde_json::Value, total: u64) {
-    let c = counts(v);
-    assert_eq!(c.len(), 3, "all three backends must answer: {v}");
-    let sum: u64 = c.iter().map(|(_, n)| n).sum();
-    assert_eq!(sum, total, "every request answered: {v}");
-    for (name, n) in &c {
-        assert!(*n as f64 >= 0.15 * total as f64, "{name} got {n} of {total} (< 15%): {v}");
-    }
-}
-
 #[test]
 fn tcp_via_socket_lb_reaches_all_backends() {
     let _g = serial();
     let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
-    let v = lab.client_json(true, &["tcp", "--to", &vip(), "--count", "300"]).unwrap();
-    eprintln!("socket LB, 300 TCP connections: {v}");
-    assert_spread(&v, 300);
+    cases::tcp_spreads(&lab, true, &vip(), 300);
 }
 
 #[test]
 fn udp_via_socket_lb_replies_come_from_the_vip() {
     let _g = serial();
     let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
-    let v = lab.client_json(true, &["udp", "--to", &vip(), "--count", "300"]).unwrap();
-    eprintln!("socket LB, 300 unconnected UDP datagrams: {v}");
-    let sources = v["sources"].as_object().unwrap();
-    assert_eq!(sources.len(), 1, "replies must all appear to come from the VIP: {v}");
-    assert_eq!(sources[&vip()], 300, "{v}");
-    assert_spread(&v, 300);
+    cases::udp_replies_come_from_the_vip(&lab, true, &vip(), 300, true);
 }
 
 #[test]
 fn getpeername_returns_the_vip() {
     let _g = serial();
     let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
-    for udp in [false, true] {
-        let mut args = vec!["peername", "--to", VIP];
-        let to = vip();
-        args[2] = &to;
-        if udp {
-            args.push("--udp");
-        }
-        let v = lab.client_json(true, &args).unwrap();
-        assert_eq!(v["peer"], vip(), "udp={udp}: {v}");
-        assert!(v["name"].as_str().unwrap().starts_with("be"), "{v}");
-    }
+    cases::getpeername_returns_the_vip(&lab, &vip());
 }
 
 #[test]
@@ -88,20 +64,9 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
     // Socket LB is attached to the lab cgroup, but this client runs outside it: only the TC
     // programs on the node's interface can make the VIP work.
     let (lab, mut agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[0, 1, 2]);
-    let v = lab.client_json(false, &["tcp", "--to", &vip(), "--count", "300"]).unwrap();
-    eprintln!("TC LB, 300 TCP connections: {v}");
-    assert_spread(&v, 300);
-
-    let u = lab.client_json(false, &["udp", "--to", &vip(), "--count", "60"]).unwrap();
-    let sources = u["sources"].as_object().unwrap();
-    assert_eq!(sources.len(), 1, "UDP replies must come from the VIP (reverse NAT): {u}");
-    assert_eq!(sources[&vip()], 60, "{u}");
-
-    let b = lab.client_json(false, &["bulk", "--to", &vip(), "--bytes", &(10u64 << 20).to_string()]).unwrap();
-    eprintln!("TC LB, 10 MiB each way: {b}");
-    assert_eq!(b["uploaded"], 10u64 << 20, "{b}");
-    assert_eq!(b["downloaded"], 10u64 << 20, "{b}");
-    assert_eq!(b["upload_backend"], b["download_backend"], "one connection, one backend: {b}");
+    cases::tcp_spreads(&lab, false, &vip(), 300);
+    cases::udp_replies_come_from_the_vip(&lab, false, &vip(), 60, false);
+    cases::bulk_stays_on_one_backend(&lab, &vip(), 10 << 20);
 
     // Conntrack pressure as `lb list` shows it, and no failed insertions.
     let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
@@ -177,17 +142,9 @@ fn zero_backends_refuse_at_once() {
     .unwrap();
     agent.wait_backends(&format!("{}/tcp", vip()), 0).unwrap();
     agent.wait_backends(&format!("{}/udp", vip()), 0).unwrap();
-    for socket_lb in [true, false] {
-        let v = lab.client_json(socket_lb, &["connect", "--to", &vip(), "--timeout-ms", "3000"]).unwrap();
-        eprintln!("zero backends, socket_lb={socket_lb}: {v}");
-        assert_eq!(v["outcome"], refusal_outcome(socket_lb), "{v}");
-        let ms = v["elapsed_ms"].as_f64().unwrap();
-        assert!(ms < 100.0, "refusal took {ms} ms: {v}");
-    }
     // Other traffic to the empty frontend never reaches the stack: XDP drops it on the wire
     // side (TC would only see what XDP passed).
-    let u = lab.client_json(false, &["udp", "--to", &vip(), "--count", "5", "--timeout-ms", "100"]).unwrap();
-    assert_eq!(u["errors"]["WouldBlock"], 5, "{u}");
+    cases::refuses_at_once(&lab, &vip());
     agent.stop();
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("xdp_drop_no_backend=5"), "{log}");

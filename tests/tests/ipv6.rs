@@ -3,9 +3,12 @@
 //! for clients outside the cgroup. Needs root; fails (does not skip) without it.
 use std::sync::{Mutex, MutexGuard};
 
-use gardenet_tests::lab::{
-    assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip6, counts,
-    node_yaml_dual, refusal_outcome, service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
+use gardenet_tests::{
+    cases::{self, assert_spread},
+    lab::{
+        assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip6, counts,
+        node_yaml_dual, service_yaml_dual, slice_yaml, slice_yaml6, Agent, AgentOpts, Lab, NODE_ADDR6, SERVER_PORT,
+    },
 };
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -46,16 +49,6 @@ fn setup(opts: AgentOpts, backends: &[usize]) -> (Lab, Agent) {
     (lab, agent)
 }
 
-fn assert_spread(v: &serde_json::Value, total: u64) {
-    let c = counts(v);
-    assert_eq!(c.len(), 3, "all three backends must answer: {v}");
-    let sum: u64 = c.iter().map(|(_, n)| n).sum();
-    assert_eq!(sum, total, "every request answered: {v}");
-    for (name, n) in &c {
-        assert!(*n as f64 >= 0.15 * total as f64, "{name} got {n} of {total} (< 15%): {v}");
-    }
-}
-
 #[test]
 fn dual_stack_service_is_listed_with_v6_frontends_and_backends() {
     let _g = serial();
@@ -69,60 +62,32 @@ fn dual_stack_service_is_listed_with_v6_frontends_and_backends() {
 fn tcp_v6_via_socket_lb_reaches_all_backends() {
     let _g = serial();
     let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
-    let v = lab.client_json(true, &["tcp", "--to", &vip6(), "--count", "300"]).unwrap();
-    eprintln!("socket LB v6, 300 TCP connections: {v}");
-    assert_spread(&v, 300);
+    cases::tcp_spreads(&lab, true, &vip6(), 300);
     // The IPv4 ClusterIP of the same Service keeps working next to it.
-    let v4 = lab.client_json(true, &["tcp", "--to", &vip4(), "--count", "60"]).unwrap();
-    assert_spread(&v4, 60);
+    cases::tcp_spreads(&lab, true, &vip4(), 60);
 }
 
 #[test]
 fn udp_v6_via_socket_lb_replies_come_from_the_vip() {
     let _g = serial();
     let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
-    let v = lab.client_json(true, &["udp", "--to", &vip6(), "--count", "300"]).unwrap();
-    eprintln!("socket LB v6, 300 unconnected UDP datagrams: {v}");
-    let sources = v["sources"].as_object().unwrap();
-    assert_eq!(sources.len(), 1, "replies must all appear to come from the VIP: {v}");
-    assert_eq!(sources[&vip6()], 300, "{v}");
-    assert_spread(&v, 300);
+    cases::udp_replies_come_from_the_vip(&lab, true, &vip6(), 300, true);
 }
 
 #[test]
 fn getpeername_v6_returns_the_vip() {
     let _g = serial();
     let (lab, _agent) = setup(AgentOpts { socket_lb: true, ..Default::default() }, &[0, 1, 2]);
-    for udp in [false, true] {
-        let to = vip6();
-        let mut args = vec!["peername", "--to", &to];
-        if udp {
-            args.push("--udp");
-        }
-        let v = lab.client_json(true, &args).unwrap();
-        assert_eq!(v["peer"], vip6(), "udp={udp}: {v}");
-        assert!(v["name"].as_str().unwrap().starts_with("be"), "{v}");
-    }
+    cases::getpeername_returns_the_vip(&lab, &vip6());
 }
 
 #[test]
 fn tc_lb_v6_translates_traffic_that_socket_lb_does_not_see() {
     let _g = serial();
     let (lab, _agent) = setup(AgentOpts { socket_lb: true, tc: true, ..Default::default() }, &[0, 1, 2]);
-    let v = lab.client_json(false, &["tcp", "--to", &vip6(), "--count", "300"]).unwrap();
-    eprintln!("TC LB v6, 300 TCP connections: {v}");
-    assert_spread(&v, 300);
-
-    let u = lab.client_json(false, &["udp", "--to", &vip6(), "--count", "60"]).unwrap();
-    let sources = u["sources"].as_object().unwrap();
-    assert_eq!(sources.len(), 1, "UDP replies must come from the VIP (reverse NAT): {u}");
-    assert_eq!(sources[&vip6()], 60, "{u}");
-
-    let b = lab.client_json(false, &["bulk", "--to", &vip6(), "--bytes", &(1u64 << 20).to_string()]).unwrap();
-    eprintln!("TC LB v6, 1 MiB each way: {b}");
-    assert_eq!(b["uploaded"], 1u64 << 20, "{b}");
-    assert_eq!(b["downloaded"], 1u64 << 20, "{b}");
-    assert_eq!(b["upload_backend"], b["download_backend"], "one connection, one backend: {b}");
+    cases::tcp_spreads(&lab, false, &vip6(), 300);
+    cases::udp_replies_come_from_the_vip(&lab, false, &vip6(), 60, false);
+    cases::bulk_stays_on_one_backend(&lab, &vip6(), 1 << 20);
 
     // With a destination options header before TCP the L4 header sits further in: still
     // translated (handshake, then a request and its answer).
@@ -138,16 +103,8 @@ fn zero_backends_v6_refuse_at_once() {
     let _g = serial();
     // XDP forced: the lab's interfaces are veths, where `auto` attaches none.
     let (lab, mut agent) = setup(AgentOpts { socket_lb: true, tc: true, extra: vec!["--xdp-mode=native".into()], ..Default::default() }, &[]);
-    for socket_lb in [true, false] {
-        let v = lab.client_json(socket_lb, &["connect", "--to", &vip6(), "--timeout-ms", "3000"]).unwrap();
-        eprintln!("zero backends v6, socket_lb={socket_lb}: {v}");
-        assert_eq!(v["outcome"], refusal_outcome(socket_lb), "{v}");
-        let ms = v["elapsed_ms"].as_f64().unwrap();
-        assert!(ms < 100.0, "refusal took {ms} ms: {v}");
-    }
     // Other IPv6 traffic to the empty frontend is dropped by XDP on the wire side.
-    let u = lab.client_json(false, &["udp", "--to", &vip6(), "--count", "5", "--timeout-ms", "100"]).unwrap();
-    assert_eq!(u["errors"]["WouldBlock"], 5, "{u}");
+    cases::refuses_at_once(&lab, &vip6());
     agent.stop();
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("xdp_drop_no_backend=5"), "{log}");
