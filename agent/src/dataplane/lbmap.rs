@@ -1374,8 +1374,11 @@ mod tests {
                 Op::Upsert(fe6(80), spec6(&[1, 2])),
                 Op::Upsert(fe(82), FrontendSpec { source_ranges: vec![cidr("10.0.0.0/8")], ..spec(&[5]) }),
                 Op::Upsert(fe(83), spec(&[])),
+                Op::Upsert(fe(86), spec(&[7, 11])),
             ],
             vec![
+                // A slot readers reach now gets a backend new to the maps: only after it.
+                Op::Upsert(fe(86), spec(&[10, 11])),
                 // Backend 3 leaves :80 and stays with :81; 1 moves from :80 to :84.
                 Op::Upsert(fe(80), spec(&[2])),
                 Op::Upsert(fe(84), spec(&[1, 9])),

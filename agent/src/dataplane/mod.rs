@@ -733,10 +733,47 @@ impl LbMaps for AyaLbMaps {
         if self.batch_unsupported {
             return one_by_one(self, b);
         }
-        let r = match b {
+        let r = self.kernel_batch(b);
+        self.settle_batch(b, r)
+    }
+
+    fn write_batches(&mut self, a: Batch<'_>, b: Batch<'_>) -> [Result<(), BatchError>; 2] {
+        // A second thread pays off on a full sync's batches, not on a few elements.
+        if self.batch_unsupported || a.len().min(b.len()) < PARALLEL_BATCH_MIN {
+            return [self.write_batch(a), self.write_batch(b)];
+        }
+        let this = &*self;
+        let (ra, rb) = std::thread::scope(|s| {
+            let Ok(h) = std::thread::Builder::new().name("gardenet-batch".into()).spawn_scoped(s, || this.kernel_batch(a)) else {
+                return (this.kernel_batch(a), this.kernel_batch(b));
+            };
+            let rb = this.kernel_batch(b);
+            // The thread only makes one syscall; should it panic, count every element as
+            // written, so that an undo takes them all back.
+            let ra = h
+                .join()
+                .unwrap_or_else(|_| Err(BatchFailure::Failed(BatchError { done: a.len(), error: MapError::Other("batch writer thread panicked".into()) })));
+            (ra, rb)
+        });
+        [self.settle_batch(a, ra), self.settle_batch(b, rb)]
+    }
+}
+
+/// Elements each of two batches must have before [`AyaLbMaps`] writes them from two threads.
+const PARALLEL_BATCH_MIN: usize = 256;
+
+impl AyaLbMaps {
+    /// `b` with one batch command (shared access: two can run at once on different maps).
+    fn kernel_batch(&self, b: Batch<'_>) -> Result<(), BatchFailure> {
+        match b {
             Batch::V4(e) => self.v4.write_batch(e),
             Batch::V6(e) => self.v6.write_batch(e),
-        };
+        }
+    }
+
+    /// The outcome of [`AyaLbMaps::kernel_batch`]: a command the kernel does not have makes
+    /// this and every later batch single writes.
+    fn settle_batch(&mut self, b: Batch<'_>, r: Result<(), BatchFailure>) -> Result<(), BatchError> {
         match r {
             Ok(()) => Ok(()),
             Err(BatchFailure::Failed(e)) => Err(e),

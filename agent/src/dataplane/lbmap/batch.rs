@@ -6,7 +6,11 @@
 //! (and the master deletes of removed frontends); only then surplus matches, slots and
 //! backends nobody references any more. A master is published after everything it points to,
 //! whatever other frontends of the batch do, and a backend is deleted only once no new or old
-//! programming can reach it (references are counted over the whole batch first).
+//! programming can reach it (references are counted over the whole batch first). New slots past
+//! a master's current count are unreachable until that master is written, so they go with the
+//! new backends, at the same time ([`LbMaps::write_batches`]: two threads on the kernel maps,
+//! which halves the kernel's part of a full sync); a slot a reader can reach now is rewritten
+//! only after the backends.
 //!
 //! Errors: a step that fails (a full map, ...) is undone with everything the batch wrote
 //! before it (the batch reports how many of its elements were written), leaving maps and state
@@ -69,6 +73,9 @@ impl<K, V> Group<K, V> {
 #[derive(Clone, Copy, Debug)]
 enum Step {
     Backends,
+    /// Slots past the master's current count (no reader reaches them yet).
+    Fresh,
+    /// Slots a reader may reach now (rewritten in place).
     Slots,
     Matches,
     Masters,
@@ -80,7 +87,8 @@ enum Step {
     Unbe,
 }
 
-const MAKE: [Step; 5] = [Step::Backends, Step::Slots, Step::Matches, Step::Masters, Step::Gone];
+/// The make steps in order; the steps of a stage are written at the same time.
+const MAKE: [&[Step]; 5] = [&[Step::Backends, Step::Fresh], &[Step::Slots], &[Step::Matches], &[Step::Masters], &[Step::Gone]];
 const RETIRE: [Step; 3] = [Step::Unmatch, Step::Unslot, Step::Unbe];
 
 #[derive(Clone, Copy, Debug)]
@@ -97,6 +105,7 @@ fn both(steps: &[Step]) -> Vec<(Step, Family)> {
 /// One family's writes of a batch, one group per step.
 pub(super) struct Groups<A> {
     backends: Group<u32, BackendValue<A>>,
+    fresh: Group<ServiceKey<A>, ServiceValue>,
     slots: Group<ServiceKey<A>, ServiceValue>,
     matches: Group<AffinityMatchKey<A>, ()>,
     masters: Group<ServiceKey<A>, ServiceValue>,
@@ -110,6 +119,7 @@ impl<A> Default for Groups<A> {
     fn default() -> Self {
         Groups {
             backends: Group::default(),
+            fresh: Group::default(),
             slots: Group::default(),
             matches: Group::default(),
             masters: Group::default(),
@@ -123,11 +133,13 @@ impl<A> Default for Groups<A> {
 
 impl<A: Addr> Groups<A> {
     /// Files a write of op `op` under its step: puts are make steps (masters are slot 0),
-    /// deletes retire, except a master's.
+    /// deletes retire, except a master's. A slot without a previous value is past its
+    /// master's count (slots 1..=count always exist): fresh.
     pub fn push(&mut self, op: usize, w: Write<A>, old: Option<ServiceValue>) {
         match w {
             Write::Put(Entry::Backend(id, b)) => self.backends.push(op, id, b, old),
             Write::Put(Entry::Service(k, v)) if k.slot == 0 => self.masters.push(op, k, v, old),
+            Write::Put(Entry::Service(k, v)) if old.is_none() => self.fresh.push(op, k, v, old),
             Write::Put(Entry::Service(k, v)) => self.slots.push(op, k, v, old),
             Write::Put(Entry::Match(k)) => self.matches.push(op, k, (), old),
             Write::Del(Key::Service(k)) if k.slot == 0 => self.gone.push(op, k, (), old),
@@ -140,6 +152,7 @@ impl<A: Addr> Groups<A> {
     fn step(&self, s: Step) -> (Batch<'_>, &Meta) {
         let (e, m) = match s {
             Step::Backends => (Elems::PutBackends(&self.backends.keys, &self.backends.vals), &self.backends.meta),
+            Step::Fresh => (Elems::PutServices(&self.fresh.keys, &self.fresh.vals), &self.fresh.meta),
             Step::Slots => (Elems::PutServices(&self.slots.keys, &self.slots.vals), &self.slots.meta),
             Step::Matches => (Elems::PutMatches(&self.matches.keys), &self.matches.meta),
             Step::Masters => (Elems::PutServices(&self.masters.keys, &self.masters.vals), &self.masters.meta),
@@ -250,18 +263,30 @@ impl LbState {
             }
         }
 
-        // Make steps; on failure undo all of them and go one frontend at a time.
-        let make = both(&MAKE);
-        for (n, s) in make.iter().enumerate() {
-            let (b, _) = l.step(*s);
-            if b.is_empty() {
-                continue;
+        // Make steps, stage by stage; on failure undo all of them and go one frontend at a time.
+        let mut written: Vec<((Step, Family), usize)> = Vec::new();
+        for stage in MAKE.iter().flat_map(|st| [Family::V4, Family::V6].map(|f| st.iter().map(move |s| (*s, f)))) {
+            let stage: Vec<(Step, Family)> = stage.filter(|s| !l.step(*s).0.is_empty()).collect();
+            let results = match stage[..] {
+                [] => continue,
+                [a] => vec![maps.write_batch(l.step(a).0)],
+                [a, b] => maps.write_batches(l.step(a).0, l.step(b).0).into(),
+                _ => unreachable!("a stage has at most two steps"),
+            };
+            let mut failed = None;
+            for (s, r) in stage.into_iter().zip(results) {
+                match r {
+                    Ok(()) => written.push((s, usize::MAX)),
+                    Err(e) => {
+                        written.push((s, e.done));
+                        failed.get_or_insert((s, e));
+                    }
+                }
             }
-            if let Err(e) = maps.write_batch(b) {
+            if let Some((s, e)) = failed {
                 tracing::debug!("batched {s:?} failed ({e}); undoing the batch and writing its {} frontends one by one", planned.len());
-                l.undo(maps, *s, e.done);
-                for s in make[..n].iter().rev() {
-                    l.undo(maps, *s, usize::MAX);
+                for (s, n) in written.into_iter().rev() {
+                    l.undo(maps, s, n);
                 }
                 // Forget the whole batch before redoing any of it: a redone upsert must not
                 // find a backend of the batch that is in the state but no longer in the map.

@@ -278,6 +278,14 @@ pub trait LbMaps {
     fn write_batch(&mut self, b: Batch<'_>) -> Result<(), BatchError> {
         one_by_one(self, b)
     }
+
+    /// Writes `a` and `b` as if at the same time (the kernel backend writes them from two
+    /// threads): a reader may see any prefix of each, in any interleaving, so nothing in one
+    /// may depend on the other. Each result as [`LbMaps::write_batch`]. The default writes
+    /// `a`, then `b`.
+    fn write_batches(&mut self, a: Batch<'_>, b: Batch<'_>) -> [Result<(), BatchError>; 2] {
+        [self.write_batch(a), self.write_batch(b)]
+    }
 }
 
 /// A batch that stopped: its first `done` elements were written, element `done` failed.

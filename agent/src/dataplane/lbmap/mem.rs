@@ -158,4 +158,21 @@ impl LbMaps for MemMaps {
         self.batches += 1;
         super::one_by_one(self, b)
     }
+
+    /// Interleaves the two element by element, `b` first (the invariant is checked after
+    /// each write, so a write of one that needs the other's done first is caught).
+    fn write_batches(&mut self, a: Batch<'_>, b: Batch<'_>) -> [Result<(), BatchError>; 2] {
+        self.batches += 2;
+        let mut r = [Ok(()), Ok(())];
+        for i in 0..a.len().max(b.len()) {
+            for (j, x) in [(1, b), (0, a)] {
+                if i < x.len() && r[j].is_ok() {
+                    if let Err(error) = self.write(x.get(i)) {
+                        r[j] = Err(BatchError { done: i, error });
+                    }
+                }
+            }
+        }
+        r
+    }
 }
