@@ -352,11 +352,22 @@ impl<M: LbMaps> Pipeline<M> {
             return rep;
         }
         self.stats.flushes += 1;
+        if self.dirty.len() > PENDING_MAX {
+            // A sync: room for the backends its Services list, before the writer's tables grow.
+            let listed = |k: &String| -> usize {
+                let ports = self.services.get(k).map_or(0, |s| s.ports.len());
+                let endpoints: usize = self.slices_by_svc.get(k).into_iter().flatten().filter_map(|n| self.slices.get(n)).map(|s| s.endpoints.len()).sum();
+                ports * endpoints
+            };
+            let n = self.dirty.iter().map(listed).sum();
+            self.lb.reserve_backends(n);
+        }
         while !self.dirty.is_empty() {
             // Oldest Services first, so a contested frontend goes straight to the one that
             // keeps it (no brief detour through a newer claimant's backends after a restart).
-            let mut batch: Vec<((i64, String), String)> =
-                std::mem::take(&mut self.dirty).into_iter().map(|k| (self.services.get(&k).map_or((i64::MAX, k.clone()), |s| s.rank()), k)).collect();
+            // The key is the Service's `rank()` tie-breaker already.
+            let mut batch: Vec<(i64, String)> =
+                std::mem::take(&mut self.dirty).into_iter().map(|k| (self.services.get(&k).and_then(|s| s.created).unwrap_or(i64::MAX), k)).collect();
             batch.sort_unstable();
             for (_, k) in batch {
                 rep.services += 1;
@@ -481,11 +492,11 @@ impl<M: LbMaps> Pipeline<M> {
         let old = self.owned.remove(key).unwrap_or_default();
         let mut attempted = BTreeSet::new();
         let start = self.pending.ops.len();
-        let my_rank = self.services.get(key).map(|s| s.rank());
         for (fe, spec) in t.frontends {
             if let Some(o) = self.owner.get(&fe).cloned() {
                 if o != key {
                     self.stats.conflicts += 1;
+                    let my_rank = self.services.get(key).map(|s| s.rank());
                     // An owner whose Service is already gone (its deletion is still queued)
                     // always yields.
                     let theirs = self.services.get(&o).map(|s| s.rank());
@@ -546,8 +557,10 @@ impl<M: LbMaps> Pipeline<M> {
                 match (&p.ops[i], r) {
                     (Op::Upsert(fe, spec), Ok(w)) => {
                         rep.writes += w;
-                        let now: HashSet<&Backend> = spec.backends.iter().collect();
-                        rep.stale_udp.extend(before.into_iter().filter(|b| !now.contains(b)).map(|b| (*fe, b)));
+                        if !before.is_empty() {
+                            let now: HashSet<&Backend> = spec.backends.iter().collect();
+                            rep.stale_udp.extend(before.into_iter().filter(|b| !now.contains(b)).map(|b| (*fe, b)));
+                        }
                         self.owner.insert(*fe, key.into());
                         now_owned.insert(*fe);
                         if let Some(c) = self.contenders.get_mut(fe) {

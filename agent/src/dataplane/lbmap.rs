@@ -312,17 +312,39 @@ impl std::fmt::Debug for Backends {
 }
 
 impl Backends {
+    fn hash(&self, k: &BeKey) -> u64 {
+        self.hasher.hash_one(k)
+    }
+
     /// The id of a backend (the first one adopted, if a previous agent left two).
     fn id_of(&self, k: &BeKey) -> Option<u32> {
+        self.id_of_hashed(self.hash(k), k)
+    }
+
+    /// [`Backends::id_of`] with `k`'s [`Backends::hash`] at hand.
+    fn id_of_hashed(&self, h: u64, k: &BeKey) -> Option<u32> {
         let by_id = &self.by_id;
-        self.ids.find(self.hasher.hash_one(k), |id| by_id.get(id).is_some_and(|(b, _)| b == k)).copied()
+        self.ids.find(h, |id| by_id.get(id).is_some_and(|(b, _)| b == k)).copied()
     }
 
     /// A backend that has no id yet, used by nobody yet.
     fn insert(&mut self, k: BeKey, id: u32) {
+        self.insert_hashed(self.hash(&k), k, id);
+    }
+
+    /// [`Backends::insert`] with `k`'s [`Backends::hash`] at hand.
+    fn insert_hashed(&mut self, h: u64, k: BeKey, id: u32) {
         self.by_id.insert(id, (k, 0));
         let Backends { by_id, ids, hasher } = self;
-        ids.insert_unique(hasher.hash_one(k), id, |i| hasher.hash_one(by_id[i].0));
+        ids.insert_unique(h, id, |i| hasher.hash_one(by_id[i].0));
+    }
+
+    /// Room for `additional` more backends. Growing the table of ids rehashes every backend
+    /// it holds (a SipHash and an id lookup each): a full sync reserves once instead.
+    fn reserve(&mut self, additional: usize) {
+        self.by_id.reserve(additional);
+        let Backends { by_id, ids, hasher } = self;
+        ids.reserve(additional, |i| hasher.hash_one(by_id[i].0));
     }
 
     /// A backend found in the maps; a second id for the same backend is counted but not found
@@ -628,6 +650,11 @@ impl LbState {
         self.frontends.values().map(|p| 1 + p.slots.len()).sum()
     }
 
+    /// Room for `n` backends in all (a hint: a full sync passes what its Services list).
+    pub fn reserve_backends(&mut self, n: usize) {
+        self.backends.reserve(n.saturating_sub(self.backends.len()));
+    }
+
     /// Monotonic ids; after a u32 wrap, ids still in use are skipped.
     fn alloc_id(&mut self) -> u32 {
         loop {
@@ -716,13 +743,14 @@ impl LbState {
         let mut ids = Vec::with_capacity(wanted.len());
         for b in &wanted {
             let k = (*b, fe.proto);
-            let id = match self.backends.id_of(&k) {
+            let h = self.backends.hash(&k);
+            let id = match self.backends.id_of_hashed(h, &k) {
                 Some(id) => id,
                 None => {
                     let id = self.alloc_id();
                     sink.make(backend_put(id, b, fe.proto), None)?;
                     w.puts += 1;
-                    self.backends.insert(k, id);
+                    self.backends.insert_hashed(h, k, id);
                     sink.undo.created(id);
                     id
                 }

@@ -61,6 +61,13 @@ impl<K, V> Default for Group<K, V> {
 }
 
 impl<K, V> Group<K, V> {
+    fn reserve(&mut self, n: usize) {
+        self.keys.reserve(n);
+        self.vals.reserve(n);
+        self.meta.op.reserve(n);
+        self.meta.old.reserve(n);
+    }
+
     fn push(&mut self, op: usize, k: K, v: V, old: Option<ServiceValue>) {
         self.keys.push(k);
         self.vals.push(v);
@@ -132,6 +139,14 @@ impl<A> Default for Groups<A> {
 }
 
 impl<A: Addr> Groups<A> {
+    /// Room for what a batch of new frontends writes: `upserts` masters and up to `backends`
+    /// backends and fresh slots (a sync's batches would otherwise grow each vector ~14 times).
+    fn reserve(&mut self, upserts: usize, backends: usize) {
+        self.backends.reserve(backends);
+        self.fresh.reserve(backends);
+        self.masters.reserve(upserts);
+    }
+
     /// Files a write of op `op` under its step: puts are make steps (masters are slot 0),
     /// deletes retire, except a master's. A slot without a previous value is past its
     /// master's count (slots 1..=count always exist): fresh.
@@ -246,6 +261,11 @@ impl LbState {
         }
         let mut out: Vec<Option<Result<Writes, MapError>>> = (0..ops.len()).map(|_| None).collect();
         let mut l = Lists::default();
+        let upserts = |v4: bool| {
+            ops.iter().filter_map(move |op| if let Op::Upsert(fe, spec) = op { (fe.addr.is_ipv4() == v4).then_some(spec.backends.len()) } else { None })
+        };
+        l.v4.reserve(upserts(true).count(), upserts(true).sum());
+        l.v6.reserve(upserts(false).count(), upserts(false).sum());
         let mut planned: Vec<(usize, Planned)> = Vec::new();
         for (i, op) in ops.iter().enumerate() {
             let mut sink = Sink::batch(maps, &mut l, i);
