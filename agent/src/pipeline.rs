@@ -84,7 +84,8 @@ pub struct Pipeline<M: LbMaps> {
     owner: HashMap<Frontend, String>,
     /// Services that wanted a frontend someone else owns; retried when it is released.
     contenders: HashMap<Frontend, BTreeSet<String>>,
-    dirty: BTreeSet<String>,
+    /// Services to translate again (the flush orders them by age).
+    dirty: HashSet<String>,
     /// Per Service, endpoint addresses of slices changed or deleted since the last flush.
     unlisted: HashMap<String, BTreeSet<IpAddr>>,
     synced: bool,
@@ -93,7 +94,7 @@ pub struct Pipeline<M: LbMaps> {
     health: HashMap<String, translate::HealthCheck>,
     /// Slices applied recently, with when: checked for a Service to belong to once
     /// `ORPHAN_GRACE` has passed (see [`Pipeline::orphan_slices`]).
-    applied_slices: BTreeMap<String, Instant>,
+    applied_slices: HashMap<String, Instant>,
     /// ServiceCIDRs by name, and the writer of the ranges and ClusterIPs they imply.
     service_cidrs: BTreeMap<String, Arc<ServiceCidrView>>,
     nets: ServiceNets,
@@ -147,13 +148,13 @@ impl<M: LbMaps> Pipeline<M> {
             owned: HashMap::default(),
             owner: HashMap::default(),
             contenders: HashMap::default(),
-            dirty: BTreeSet::new(),
+            dirty: HashSet::default(),
             unlisted: HashMap::default(),
             synced: false,
             pruned: false,
             resync: None,
             health: HashMap::default(),
-            applied_slices: BTreeMap::new(),
+            applied_slices: HashMap::default(),
             service_cidrs: BTreeMap::new(),
             nets: ServiceNets::default(),
             nets_dirty: true,
@@ -251,7 +252,14 @@ impl<M: LbMaps> Pipeline<M> {
                 self.seen(None, Some(&k));
                 self.remove_slice(&k);
                 if let Some(svc) = sl.service_key() {
-                    self.slices_by_svc.entry(svc.clone()).or_default().insert(k.clone());
+                    match self.slices_by_svc.get_mut(&svc) {
+                        Some(set) => {
+                            set.insert(k.clone());
+                        }
+                        None => {
+                            self.slices_by_svc.insert(svc.clone(), BTreeSet::from([k.clone()]));
+                        }
+                    }
                     self.dirty.insert(svc);
                 }
                 self.applied_slices.insert(k.clone(), Instant::now());
@@ -416,7 +424,9 @@ impl<M: LbMaps> Pipeline<M> {
         if !self.synced {
             return out;
         }
-        let due: Vec<String> = self.applied_slices.iter().filter(|(_, t)| now.saturating_duration_since(**t) >= ORPHAN_GRACE).map(|(k, _)| k.clone()).collect();
+        let mut due: Vec<String> =
+            self.applied_slices.iter().filter(|(_, t)| now.saturating_duration_since(**t) >= ORPHAN_GRACE).map(|(k, _)| k.clone()).collect();
+        due.sort_unstable();
         for k in due {
             self.applied_slices.remove(&k);
             let Some(sl) = self.slices.get(&k) else { continue };
@@ -773,6 +783,49 @@ mod tests {
         assert_eq!(r.services, 1);
         assert!(r.writes.total() <= 3, "{:?}", r.writes);
         assert_eq!(backends(&p, "10.96.0.3:80"), ["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.9:8080"]);
+    }
+
+    #[test]
+    fn a_sync_larger_than_a_map_batch_programs_every_service_in_order() {
+        // More Services than one map batch holds (and a reservation of the writer's tables):
+        // every Service ends with its own backends, and a contested ClusterIP goes to the
+        // Service first in order.
+        let mut p = Pipeline::new(MemMaps::default(), LbState::new(), NodeInfo::default());
+        let n = 1300;
+        let ip = |i: usize| format!("10.96.{}.{}", i / 250, i % 250 + 1);
+        for i in 0..n {
+            p.handle(SourceEvent::ServiceApplied(Arc::new(web(&ip(i), &format!("s{i:04}")))));
+            p.handle(SourceEvent::SliceApplied(Arc::new(eps(
+                &format!("s{i:04}"),
+                &format!("s{i:04}-x"),
+                &[&format!("10.1.{}.{}", i / 250, i % 250 + 1), "10.2.0.1"],
+            ))));
+        }
+        // "d/a-first" sorts before "d/s0005" (neither has a creation time): it keeps the frontend.
+        p.handle(SourceEvent::ServiceApplied(Arc::new(web(&ip(5), "a-first"))));
+        p.handle(SourceEvent::SliceApplied(Arc::new(eps("a-first", "a-first-x", &["10.3.0.1"]))));
+        p.handle(SourceEvent::Synced);
+        let r = p.flush();
+        assert_eq!(r.services, n + 1);
+        assert_eq!(r.problems.iter().filter(|p| p.kind == ProblemKind::Conflict).count(), 1, "{:?}", r.problems);
+        let programmed: HashMap<Frontend, Vec<String>> = p
+            .maps()
+            .dump()
+            .frontends()
+            .into_iter()
+            .map(|d| {
+                let mut v: Vec<String> = d.backends.iter().map(|b| b.to_string()).collect();
+                v.sort();
+                (d.frontend, v)
+            })
+            .collect();
+        let fe = |i: usize| -> Frontend { format!("{}:80", ip(i)).parse().unwrap() };
+        for i in (0..n).filter(|i| *i != 5) {
+            assert_eq!(programmed[&fe(i)], [format!("10.1.{}.{}:8080", i / 250, i % 250 + 1), "10.2.0.1:8080".to_string()], "service {i}");
+        }
+        assert_eq!(programmed[&fe(5)], ["10.3.0.1:8080"]);
+        assert!(p.maps().violations().is_empty());
+        assert_eq!(p.lb().frontend_count(), n);
     }
 
     #[test]
