@@ -172,6 +172,11 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
                 FrontendSpec { drop: backends.is_empty() && cat.has_any, backends, affinity_timeout, ..Default::default() }
             };
             let internal = with(if svc.internal_local { &cat.local } else { &cat.cluster });
+            if !externally {
+                // ClusterIPs only: no external frontends to build.
+                specs.push(FamilySpecs { internal, external: FrontendSpec::default(), lb: FrontendSpec::default(), this_node: None });
+                continue;
+            }
             let external = if external_local {
                 // Only traffic from outside is limited to local endpoints; clients on this
                 // node use the cluster's (kube-proxy's short-circuit), through a second set.
@@ -291,8 +296,13 @@ fn topology_mode(cands: &[&Candidate], node: &NodeInfo) -> Topology {
 
 fn categorize(cands: &[&Candidate], policy: Policy, node: &NodeInfo) -> Categorized {
     let mut out = Categorized::default();
-    let set =
-        |f: &dyn Fn(&Candidate) -> bool| -> Vec<Backend> { cands.iter().filter(|c| f(c)).map(|c| c.backend).collect::<BTreeSet<_>>().into_iter().collect() };
+    // Sorted, without duplicates.
+    let set = |f: &dyn Fn(&Candidate) -> bool| -> Vec<Backend> {
+        let mut v: Vec<Backend> = cands.iter().filter(|c| f(c)).map(|c| c.backend).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
     let serving_terminating = |c: &Candidate| c.ep.serving && c.ep.terminating;
     if policy.uses_cluster {
         let mode = topology_mode(cands, node);

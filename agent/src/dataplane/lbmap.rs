@@ -741,6 +741,9 @@ impl LbState {
 
         // 1. Backends that do not exist yet.
         let mut ids = Vec::with_capacity(wanted.len());
+        if old.is_none() {
+            sink.undo.reserve_created(wanted.len());
+        }
         for b in &wanted {
             let k = (*b, fe.proto);
             let h = self.backends.hash(&k);

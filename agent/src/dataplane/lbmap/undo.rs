@@ -18,6 +18,11 @@ impl Undo {
         Ok(())
     }
 
+    /// Room for `n` more created backends (a new frontend creates all of its own).
+    pub fn reserve_created(&mut self, n: usize) {
+        self.created.reserve(n);
+    }
+
     /// A backend id the change added to the state.
     pub fn created(&mut self, id: u32) {
         self.created.push(id);
