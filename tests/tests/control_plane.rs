@@ -367,3 +367,57 @@ fn a_services_map_too_small_programs_what_fits_and_reports_the_rest() {
         assert_eq!(counts(&v).iter().map(|(_, n)| n).sum::<u64>(), 30, "{vip}: {v}");
     }
 }
+
+/// A first sync large enough that the writer puts the new backends and the new slots into the
+/// kernel maps from two threads at once (each group well over the 256 elements that takes):
+/// every frontend ends with all its backends, and traffic through the ones with real backends
+/// works. Each Service has the lab's three backends and one of its own, at an address nothing
+/// answers and no test sends to (only the map contents are checked for it).
+#[test]
+fn a_large_first_sync_written_from_two_threads_programs_every_frontend_whole() {
+    let _g = serial();
+    let lab = Lab::new(3).unwrap();
+    let n = 600;
+    let vip = |i: usize| format!("198.19.{}.{}", 10 + i / 250, i % 250 + 1);
+    let own = |i: usize| format!("198.18.{}.{}", 100 + i / 250, i % 250 + 1);
+    let mut manifests = Vec::new();
+    for i in 0..n {
+        let name = format!("s{i:03}");
+        let eps: Vec<String> =
+            (0..3).map(gardenet_tests::lab::backend_ip).chain([own(i)]).map(|a| format!("  - addresses: [{a}]\n    conditions: {{ready: true}}")).collect();
+        let slice = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: lab, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports:\n  - {{name: p-tcp, port: {}, protocol: TCP}}\nendpoints:\n{}\n",
+            gardenet_tests::lab::SERVER_PORT,
+            eps.join("\n")
+        );
+        manifests.push((format!("svc{i:03}.yaml"), format!("{}---\n{slice}", service_yaml(&name, &vip(i), 80, &["TCP"]))));
+    }
+    // Three Services with only the lab's backends, to send traffic through.
+    for (i, vip) in ["198.19.0.21", "198.19.0.22", "198.19.0.23"].iter().enumerate() {
+        manifests.push((
+            format!("real{i}.yaml"),
+            format!("{}---\n{}", service_yaml(&format!("real{i}"), vip, 80, &["TCP"]), slice_yaml(&format!("real{i}"), &[0, 1, 2], &["TCP"])),
+        ));
+    }
+    let refs: Vec<(&str, String)> = manifests.iter().map(|(f, y)| (f.as_str(), y.clone())).collect();
+    let agent = Agent::start(&lab, AgentOpts { socket_lb: true, ..Default::default() }, &refs).unwrap();
+    let list = agent.lb_list().unwrap();
+    let mut backends: std::collections::BTreeMap<String, Vec<String>> = std::collections::BTreeMap::new();
+    for f in list.as_array().unwrap() {
+        let mut b: Vec<String> = f["backends"].as_array().into_iter().flatten().map(|b| b["addr"].as_str().unwrap_or_default().to_owned()).collect();
+        b.sort();
+        backends.insert(f["frontend"]["addr"].as_str().unwrap().to_owned(), b);
+    }
+    assert_eq!(backends.len(), n + 3, "every frontend programmed");
+    for i in 0..n {
+        let mut want: Vec<String> = (0..3).map(gardenet_tests::lab::backend_ip).chain([own(i)]).collect();
+        want.sort();
+        assert_eq!(backends[&vip(i)], want, "frontend {}", vip(i));
+    }
+    for vip in ["198.19.0.21", "198.19.0.22", "198.19.0.23"] {
+        let v = lab.client_json(true, &["tcp", "--to", &format!("{vip}:80"), "--count", "30"]).unwrap();
+        let c = counts(&v);
+        assert_eq!(c.iter().map(|(_, n)| n).sum::<u64>(), 30, "{vip}: {v}");
+        assert_eq!(c.len(), 3, "{vip} spreads over the three backends: {v}");
+    }
+}
