@@ -9,8 +9,8 @@
 //! programming can reach it (references are counted over the whole batch first). New slots past
 //! a master's current count are unreachable until that master is written, so they go with the
 //! new backends, at the same time ([`LbMaps::write_batches`]: two threads on the kernel maps,
-//! which halves the kernel's part of a full sync); a slot a reader can reach now is rewritten
-//! only after the backends.
+//! a third less time for the kernel's part of a sync); a slot a reader can reach now is
+//! rewritten only after the backends.
 //!
 //! Errors: a step that fails (a full map, ...) is undone with everything the batch wrote
 //! before it (the batch reports how many of its elements were written), leaving maps and state
