@@ -252,14 +252,7 @@ impl<M: LbMaps> Pipeline<M> {
                 self.seen(None, Some(&k));
                 self.remove_slice(&k);
                 if let Some(svc) = sl.service_key() {
-                    match self.slices_by_svc.get_mut(&svc) {
-                        Some(set) => {
-                            set.insert(k.clone());
-                        }
-                        None => {
-                            self.slices_by_svc.insert(svc.clone(), BTreeSet::from([k.clone()]));
-                        }
-                    }
+                    self.slices_by_svc.entry(svc.clone()).or_default().insert(k.clone());
                     self.dirty.insert(svc);
                 }
                 self.applied_slices.insert(k.clone(), Instant::now());
