@@ -4,6 +4,10 @@ use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, ErrorKind, Read, Write},
     net::{Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -234,13 +238,39 @@ fn serve_udp(udp: UdpSocket, name: String) {
     });
 }
 
+/// Serves TCP on `l` until the process ends: a pool of threads that each accept a connection
+/// and serve it themselves. Creating a thread per connection cost more than the datapaths
+/// the benches compare; an acceptor that takes the last idle place starts another one, so
+/// connections held open never keep new ones waiting.
 fn serve_tcp(l: TcpListener, name: String) {
-    for s in l.incoming() {
-        let Ok(s) = s else { continue };
-        let name = name.clone();
-        std::thread::spawn(move || {
-            let _ = handle(s, &name);
-        });
+    let pool = Arc::new(Acceptors { listener: l, name, idle: AtomicUsize::new(0) });
+    accept_loop(&pool);
+}
+
+struct Acceptors {
+    listener: TcpListener,
+    name: String,
+    idle: AtomicUsize,
+}
+
+/// Idle acceptors beyond which one that finishes a connection ends.
+const MAX_IDLE_ACCEPTORS: usize = 8;
+
+fn accept_loop(pool: &Arc<Acceptors>) {
+    loop {
+        pool.idle.fetch_add(1, Ordering::SeqCst);
+        let accepted = pool.listener.accept();
+        if pool.idle.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let next = Arc::clone(pool);
+            std::thread::spawn(move || accept_loop(&next));
+        }
+        if let Ok((s, _)) = accepted {
+            let _ = handle(s, &pool.name);
+        }
+        // Only a thread that is not waiting in accept() ends, so some always wait there.
+        if pool.idle.load(Ordering::SeqCst) >= MAX_IDLE_ACCEPTORS {
+            return;
+        }
     }
 }
 
@@ -268,14 +298,7 @@ fn serve(name: &str, port: u16) -> Result<()> {
             let _ = udp.send_to(uname.as_bytes(), peer);
         }
     });
-    let l = TcpListener::bind(("0.0.0.0", port))?;
-    for s in l.incoming() {
-        let Ok(s) = s else { continue };
-        let name = name.to_owned();
-        std::thread::spawn(move || {
-            let _ = handle(s, &name);
-        });
-    }
+    serve_tcp(TcpListener::bind(("0.0.0.0", port))?, name.to_owned());
     Ok(())
 }
 
