@@ -906,13 +906,19 @@ fn print_report(a: &Args, rep: &Report, load_before: &str) {
         rewrite,
         yes(per_ep <= 4.0)
     );
-    println!("| peak RSS (VmHWM), in-process pipeline after sync + changes | {:.1} MiB | < 150 MiB | {} |", mib(r.hwm_kib), yes(mib(r.hwm_kib) < 150.0));
+    // The memory targets: 150 MiB at 10,000 Services x 10, 200 MiB at 30,000 x 10 (issue 12).
+    let rss_max = if a.services > 10_000 { 200.0 } else { 150.0 };
+    println!(
+        "| peak RSS (VmHWM), in-process pipeline after sync + changes | {:.1} MiB | < {rss_max} MiB | {} |",
+        mib(r.hwm_kib),
+        yes(mib(r.hwm_kib) < rss_max)
+    );
     for (src, ag) in [("kube", &rep.agent_kube), ("dir:", &rep.agent)] {
         if let Some(Ok(ag)) = ag {
             println!(
-                "| peak RSS (VmHWM), `gardenet-agent run --source {src}` process with the same objects | {:.1} MiB | < 150 MiB | {} |",
+                "| peak RSS (VmHWM), `gardenet-agent run --source {src}` process with the same objects | {:.1} MiB | < {rss_max} MiB | {} |",
                 mib(ag.hwm_kib),
-                yes(mib(ag.hwm_kib) < 150.0)
+                yes(mib(ag.hwm_kib) < rss_max)
             );
         }
     }
