@@ -7,6 +7,8 @@
 //!                             br0 198.18.1.1/24 ── veth ── e0 198.18.1.(10+i)/24
 //!  node2 ns (another node)
 //!  n0 198.18.2.2/24 ── veth ── nn0 198.18.2.1/24 (the node's address for NodePorts)
+//!  side client ns (only with `add_side_client`)
+//!  c1 198.18.3.2/24 ── veth ── nc1 198.18.3.1/24
 //! ```
 //! The client routes 198.18.1.0/24 (pods) and 198.19.0.0/16 (service VIPs) via the node;
 //! backends route the client subnet via the node. No namespace has a default route.
@@ -30,6 +32,9 @@ pub const CLIENT_IP: &str = "198.18.0.2";
 pub const NODE_IP: &str = "198.18.0.1";
 pub const NODE_POD_GW: &str = "198.18.1.1";
 pub const SERVER_PORT: u16 = 8080;
+/// The side client's address and the node's on its link ([`Lab::add_side_client`]).
+pub const SIDE_CLIENT_IP: &str = "198.18.3.2";
+pub const SIDE_NODE_IP: &str = "198.18.3.1";
 pub const NODE_NAME: &str = "lab-node";
 /// The node's address towards node2, published in its Node object (NodePorts live here).
 pub const NODE_ADDR: &str = "198.18.2.1";
@@ -66,6 +71,8 @@ pub struct Lab {
     /// A second node that reaches this one's NodePorts over `nn0`.
     pub node2: Netns,
     pub backends: Vec<Netns>,
+    /// A second client host, made by [`Lab::add_side_client`].
+    pub side_client: Option<Netns>,
     pub netkit: PathBuf,
 }
 
@@ -83,7 +90,7 @@ impl Lab {
         }
         let cgroup = TestCgroup::new(&tag)?;
         let netkit = sibling_binary("gardenet-netkit")?;
-        let lab = Lab { tag, servers: Vec::new(), cgroup, client, node, node2, backends, netkit };
+        let lab = Lab { tag, servers: Vec::new(), cgroup, client, node, node2, backends, side_client: None, netkit };
         lab.wire()?;
         let mut lab = lab;
         for i in 0..n_backends {
@@ -136,6 +143,32 @@ impl Lab {
             b.ip(&["-6", "route", "add", "fd00:18::/32", "via", NODE_POD_GW6])?;
         }
         Ok(())
+    }
+
+    /// A second client host: `c1` 198.18.3.2/24 ── veth ── `nc1` 198.18.3.1/24 on the node,
+    /// routing only the pods via the node. Its connections to the backends cross no interface
+    /// the benches attach the agent to (`nc0`, `nn0`), so a bench can measure connections with
+    /// no datapath on their path interleaved with TC LB ones, from a client that is the same
+    /// in every other way.
+    pub fn add_side_client(&mut self) -> Result<()> {
+        let c = Netns::new(&format!("{}-cli2", self.tag))?;
+        let n = &self.node;
+        n.ip(&["link", "add", "nc1", "type", "veth", "peer", "name", "c1", "netns", &c.name])?;
+        n.ip(&["addr", "add", &format!("{SIDE_NODE_IP}/24"), "dev", "nc1"])?;
+        n.ip(&["link", "set", "nc1", "up"])?;
+        c.ip(&["addr", "add", &format!("{SIDE_CLIENT_IP}/24"), "dev", "c1"])?;
+        c.ip(&["link", "set", "c1", "up"])?;
+        c.ip(&["route", "add", "198.18.1.0/24", "via", SIDE_NODE_IP])?;
+        self.side_client = Some(c);
+        Ok(())
+    }
+
+    /// A netkit client command on the side client (see [`Lab::add_side_client`]).
+    pub fn side_client_cmd(&self, args: &[&str]) -> Result<Command> {
+        let c = self.side_client.as_ref().context("the lab has no side client")?;
+        let mut cmd = c.command(&self.netkit, None)?;
+        cmd.args(args);
+        Ok(cmd)
     }
 
     fn start_server(&mut self, i: usize) -> Result<()> {

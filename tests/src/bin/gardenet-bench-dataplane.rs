@@ -8,11 +8,13 @@
 //! loop is bounded; namespaces, cgroup, pins, manifests and iptables rules are removed on exit,
 //! also on error or Ctrl-C (the handler only sets a flag; drop guards do the cleanup).
 //!
-//! Phases (A and C measure "direct" interleaved with their mode, as a control):
+//! Phases (each measures "direct" interleaved with its mode, as a control):
 //!   A. agent with socket LB on the lab cgroup, no TC: direct (client outside the cgroup,
 //!      no datapath on its path) and socket LB (client inside the cgroup -> VIP);
-//!   B. agent with TC LB on `nc0`, no socket LB: TC LB (client -> VIP), then a short probe of
-//!      direct connections (which stale TC conntrack entries can break, see `stale_ct_probe`);
+//!   B. agent with TC LB on `nc0`, no socket LB: TC LB (client -> VIP) and direct from the lab's
+//!      side client (its link has no datapath attached), then a short probe of direct
+//!      connections from the main client (which stale TC conntrack entries can break, see
+//!      `stale_ct_probe`);
 //!   C. no agent: kube-proxy-style nat ruleset loaded with iptables-restore in the node
 //!      namespace (nft backend, then legacy if installed): iptables (client -> VIP).
 use std::{
@@ -48,6 +50,12 @@ struct Args {
     /// Nice value for the bench and everything it starts (0: leave as is).
     #[arg(long, default_value_t = -10, allow_hyphen_values = true)]
     nice: i32,
+    /// Run the bench and everything it starts on this one CPU. Then no wakeup crosses CPUs,
+    /// and a mode's cost per connection is its CPU time; by default the scheduler spreads
+    /// client, servers and softirq work over the CPUs, and on a small VM where a wakeup lands
+    /// moves a cell by more than a datapath costs.
+    #[arg(long)]
+    cpu: Option<usize>,
     /// Longest wait for the agent to program a manifest change (seconds).
     #[arg(long, default_value_t = 300)]
     program_timeout_s: u64,
@@ -172,6 +180,8 @@ fn wait_programmed(agent: &Agent, n: usize, t0: Instant, timeout: Duration) -> R
 enum Target {
     /// A backend IP directly (rotates over the backends run by run).
     Direct,
+    /// The same from the lab's side client, whose link has no datapath attached (phase B).
+    DirectSide,
     Vip(String),
 }
 
@@ -185,7 +195,7 @@ impl Mode {
     /// One address: a backend (rotating run by run) or the VIP.
     fn to(&self, run: usize) -> String {
         match &self.target {
-            Target::Direct => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
+            Target::Direct | Target::DirectSide => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
             Target::Vip(v) => format!("{v}:{PORT}"),
         }
     }
@@ -194,7 +204,7 @@ impl Mode {
     /// turn, so it reaches the same servers as the load-balanced modes (like for like).
     fn to_all(&self) -> String {
         match &self.target {
-            Target::Direct => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
+            Target::Direct | Target::DirectSide => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
             Target::Vip(_) => self.to(0),
         }
     }
@@ -240,7 +250,20 @@ impl Results {
 
 /// Like `Lab::client_json`, but the client is killed as soon as Ctrl-C is seen.
 fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::Value> {
-    let mut child = lab.client_cmd(in_cgroup, args)?.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
+    run_json(lab.client_cmd(in_cgroup, args)?, args)
+}
+
+/// A mode's client run: the main client (in the cgroup or not), or the side client.
+fn mode_json(lab: &Lab, m: &Mode, args: &[&str]) -> Result<serde_json::Value> {
+    match m.target {
+        Target::DirectSide => run_json(lab.side_client_cmd(args)?, args),
+        _ => client_json(lab, m.in_cgroup, args),
+    }
+}
+
+/// Runs a netkit client command to completion (killed on Ctrl-C) and parses its JSON output.
+fn run_json(mut cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
+    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
     let mut so = child.stdout.take().unwrap();
     let reader = std::thread::spawn(move || {
         let mut s = Vec::new();
@@ -270,7 +293,7 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
 fn tcp_run(lab: &Lab, m: &Mode, count: u32) -> Result<(f64, u64, serde_json::Value)> {
     check_stop()?;
     let to = m.to_all();
-    let v = client_json(lab, m.in_cgroup, &["tcp", "--to", &to, "--count", &count.to_string(), "--timeout-ms", "2000"])?;
+    let v = mode_json(lab, m, &["tcp", "--to", &to, "--count", &count.to_string(), "--timeout-ms", "2000"])?;
     let errors: u64 = v["errors"].as_object().into_iter().flatten().map(|(_, n)| n.as_u64().unwrap_or(0)).sum();
     let answered: u64 = counts(&v).iter().map(|(_, n)| n).sum();
     if answered + errors != count as u64 {
@@ -280,17 +303,22 @@ fn tcp_run(lab: &Lab, m: &Mode, count: u32) -> Result<(f64, u64, serde_json::Val
     Ok((ps, errors, v))
 }
 
-/// TIME_WAIT sockets in the client namespace (/proc/net/sockstat is per network namespace).
+/// TIME_WAIT sockets in the client namespace, or in the side client's if it has more
+/// (/proc/net/sockstat is per network namespace).
 fn client_timewait(lab: &Lab) -> Result<u64> {
-    let out = lab.client.command("cat", None)?.arg("/proc/net/sockstat").output()?;
-    let s = String::from_utf8_lossy(&out.stdout);
-    let tw = s
-        .lines()
-        .find(|l| l.starts_with("TCP:"))
-        .and_then(|l| l.split_whitespace().skip_while(|w| *w != "tw").nth(1))
-        .and_then(|n| n.parse().ok())
-        .with_context(|| format!("no TCP tw in sockstat: {s}"))?;
-    Ok(tw)
+    let mut most = 0;
+    for ns in std::iter::once(&lab.client).chain(&lab.side_client) {
+        let out = ns.command("cat", None)?.arg("/proc/net/sockstat").output()?;
+        let s = String::from_utf8_lossy(&out.stdout);
+        let tw: u64 = s
+            .lines()
+            .find(|l| l.starts_with("TCP:"))
+            .and_then(|l| l.split_whitespace().skip_while(|w| *w != "tw").nth(1))
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("no TCP tw in sockstat: {s}"))?;
+        most = most.max(tw);
+    }
+    Ok(most)
 }
 
 /// Keeps the client's ephemeral port space from filling up with TIME_WAIT sockets (which would
@@ -299,7 +327,7 @@ fn drain_timewait(lab: &Lab, limit: u64) -> Result<()> {
     let t0 = Instant::now();
     let mut tw = client_timewait(lab)?;
     if tw > limit {
-        eprintln!("bench: {tw} TIME_WAIT sockets in the client namespace; waiting until <= {limit}");
+        eprintln!("bench: {tw} TIME_WAIT sockets in a client namespace; waiting until <= {limit}");
     }
     while tw > limit && t0.elapsed() < Duration::from_secs(75) {
         nap(Duration::from_secs(1))?;
@@ -373,7 +401,7 @@ fn streams(lab: &Lab, modes: &[&Mode], n: usize, args: &Args, res: &mut Results)
     for m in modes {
         check_stop()?;
         let secs = format!("{}", args.stream_seconds);
-        let v = client_json(lab, m.in_cgroup, &["stream", "--to", &m.to(0), "--seconds", &secs])?;
+        let v = mode_json(lab, m, &["stream", "--to", &m.to(0), "--seconds", &secs])?;
         let bps = v["bits_per_second"].as_f64().with_context(|| format!("stream {}: {v}", m.row))?;
         eprintln!("bench: {n:>6} services  {:<28} stream: {:.2} Gbit/s", m.row, bps / 1e9);
         res.streams.insert(m.row.clone(), (n, bps));
@@ -387,6 +415,7 @@ const ROW_TC: &str = "TC LB";
 const ROW_NFT: &str = "nftables (kube-proxy nftables mode)";
 const ROW_NFT_CTL: &str = "direct, nftables rules loaded";
 const CTL_DIRECT_A: &str = "direct, no datapath (phase A)";
+const CTL_DIRECT_B: &str = "direct, no datapath, side client (phase B)";
 
 fn ipt_row(b: &IptBackend) -> String {
     format!("iptables ({})", b.label)
@@ -705,8 +734,12 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         agent.write("services.yaml", &yaml)?;
         let d = wait_programmed(&agent, n, t0, Duration::from_secs(args.program_timeout_s))?;
         res.timing(format!("phase B: {n} services programmed (lb list)"), d);
-        // No "direct" control in this phase: see `stale_ct_probe`.
-        let modes = [Mode { row: ROW_TC.into(), in_cgroup: false, target: Target::Vip(vip(measured(n))) }];
+        // "direct" from the main client would cross the programs on nc0 (and meet stale
+        // conntrack entries, see `stale_ct_probe`): the control runs from the side client.
+        let modes = [
+            Mode { row: ROW_TC.into(), in_cgroup: false, target: Target::Vip(vip(measured(n))) },
+            Mode { row: CTL_DIRECT_B.into(), in_cgroup: false, target: Target::DirectSide },
+        ];
         measure(lab, &modes, n, args, res, false)?;
         streams(lab, &[&modes[0]], n, args, res)?;
         stale_ct_probe(lab, n, res)?;
@@ -973,6 +1006,10 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         let d = med(res, ROW_DIRECT, n);
         ratio_line(&mut o, &format!("socket LB / direct, {} services", thousands(n as f64)), med(res, ROW_SOCK, n), d, 0.97);
         ratio_line(&mut o, &format!("TC LB / direct, {} services", thousands(n as f64)), med(res, ROW_TC, n), d, 0.90);
+        let (tc, side) = (med(res, ROW_TC, n), med(res, CTL_DIRECT_B, n));
+        if tc.is_some() && side.is_some() {
+            ratio_line(&mut o, &format!("TC LB / direct measured beside it (phase B), {} services", thousands(n as f64)), tc, side, 0.90);
+        }
     }
     if args.services.contains(&10_000) {
         if let Some(b) = backends.iter().find(|b| b.label == "nft") {
@@ -1037,7 +1074,7 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         }
     }
     o.push_str("\n### Controls\n\n\"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
-    let mut ctl = vec![ROW_DIRECT.to_string()];
+    let mut ctl = vec![ROW_DIRECT.to_string(), CTL_DIRECT_B.into()];
     ctl.extend(backends.iter().map(ipt_ctl_row));
     ctl.push(ROW_NFT_CTL.into());
     let ctl_table = {
@@ -1089,6 +1126,12 @@ fn plot_data(res: &Results, args: &Args, backends: &[IptBackend]) -> serde_json:
     serde_json::json!({"services": args.services, "modes": modes})
 }
 
+/// This process's CPU affinity (`--cpu`, or `taskset` around the bench).
+fn cpus_allowed() -> String {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_owned()).unwrap_or_default()
+}
+
 fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
@@ -1099,6 +1142,7 @@ fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
     let mut v = vec![
         ("kernel".to_string(), kernel),
         ("CPUs".into(), format!("{cpus} ({model})")),
+        ("CPUs the bench and everything it starts may run on".into(), cpus_allowed()),
         ("`iptables -V` (the system default backend)".into(), cmd_output("iptables", &["-V"])),
         ("load average (1/5/15 min) at the start".into(), loadavg()),
         // SAFETY: getpriority(2) on this process.
@@ -1159,6 +1203,17 @@ fn main() -> Result<()> {
             eprintln!("bench: setpriority({}): {}", args.nice, std::io::Error::last_os_error());
         }
     }
+    if let Some(cpu) = args.cpu {
+        // SAFETY: a zeroed cpu_set_t with one CPU set, for this process (inherited by children).
+        let rc = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+        };
+        if rc != 0 {
+            bail!("--cpu {cpu}: sched_setaffinity: {}", std::io::Error::last_os_error());
+        }
+    }
     let backends = ipt_backends(args.no_legacy)?;
     let env = environment(&backends);
     for (k, v) in &env {
@@ -1167,13 +1222,16 @@ fn main() -> Result<()> {
 
     let _ = NBE_CELL.set(args.backends.clamp(1, 3));
     let t0 = Instant::now();
-    let lab = Lab::new(nbe())?;
-    // A wide ephemeral port range in the client namespace: tens of thousands of connections
-    // per minute to one destination must not run out of ports in TIME_WAIT.
-    lab.client.sysctl("net.ipv4.ip_local_port_range", "1024 65535")?;
-    // And reuse of TIME_WAIT ports for new outgoing connections: without it, runs late in a
-    // phase search a nearly exhausted port space and measure that instead of the datapath.
-    lab.client.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    let mut lab = Lab::new(nbe())?;
+    lab.add_side_client()?;
+    for client in std::iter::once(&lab.client).chain(&lab.side_client) {
+        // A wide ephemeral port range in the client namespaces: tens of thousands of
+        // connections per minute to one destination must not run out of ports in TIME_WAIT.
+        client.sysctl("net.ipv4.ip_local_port_range", "1024 65535")?;
+        // And reuse of TIME_WAIT ports for new outgoing connections: without it, runs late in
+        // a phase search a nearly exhausted port space and measure that instead of the datapath.
+        client.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    }
     eprintln!("bench: lab {} up in {:.1} s", lab.tag, t0.elapsed().as_secs_f64());
 
     let mut res = Results::default();
