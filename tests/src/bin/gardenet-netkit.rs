@@ -244,7 +244,7 @@ fn serve_udp(udp: UdpSocket, name: String) {
 /// connections held open never keep new ones waiting.
 fn serve_tcp(l: TcpListener, name: String) {
     let pool = Arc::new(Acceptors { listener: l, name, idle: AtomicUsize::new(0) });
-    accept_loop(&pool);
+    accept_loop(&pool, true);
 }
 
 struct Acceptors {
@@ -256,19 +256,21 @@ struct Acceptors {
 /// Idle acceptors beyond which one that finishes a connection ends.
 const MAX_IDLE_ACCEPTORS: usize = 8;
 
-fn accept_loop(pool: &Arc<Acceptors>) {
+/// One acceptor; the first (`permanent`, the caller's thread) never ends, so `serve_tcp`
+/// returns only with the process.
+fn accept_loop(pool: &Arc<Acceptors>, permanent: bool) {
     loop {
         pool.idle.fetch_add(1, Ordering::SeqCst);
         let accepted = pool.listener.accept();
         if pool.idle.fetch_sub(1, Ordering::SeqCst) == 1 {
             let next = Arc::clone(pool);
-            std::thread::spawn(move || accept_loop(&next));
+            std::thread::spawn(move || accept_loop(&next, false));
         }
         if let Ok((s, _)) = accepted {
             let _ = handle(s, &pool.name);
         }
         // Only a thread that is not waiting in accept() ends, so some always wait there.
-        if pool.idle.load(Ordering::SeqCst) >= MAX_IDLE_ACCEPTORS {
+        if !permanent && pool.idle.load(Ordering::SeqCst) >= MAX_IDLE_ACCEPTORS {
             return;
         }
     }
