@@ -1204,6 +1204,9 @@ fn main() -> Result<()> {
         }
     }
     if let Some(cpu) = args.cpu {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            bail!("--cpu {cpu}: no such CPU (at most {})", libc::CPU_SETSIZE - 1);
+        }
         // SAFETY: a zeroed cpu_set_t with one CPU set, for this process (inherited by children).
         let rc = unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
