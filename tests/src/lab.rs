@@ -102,22 +102,14 @@ impl Lab {
 
     fn wire(&self) -> Result<()> {
         let (c, n) = (&self.client, &self.node);
-        n.ip(&["link", "add", "nc0", "type", "veth", "peer", "name", "c0", "netns", &c.name])?;
-        n.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "nc0"])?;
-        n.ip(&["link", "set", "nc0", "up"])?;
-        c.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "c0"])?;
-        c.ip(&["link", "set", "c0", "up"])?;
+        veth_pair(n, ("nc0", NODE_IP), c, ("c0", CLIENT_IP))?;
         c.ip(&["route", "add", "198.18.1.0/24", "via", NODE_IP])?;
         c.ip(&["route", "add", "198.19.0.0/16", "via", NODE_IP])?;
         n.ip(&["link", "add", "br0", "type", "bridge"])?;
         n.ip(&["addr", "add", &format!("{NODE_POD_GW}/24"), "dev", "br0"])?;
         n.ip(&["link", "set", "br0", "up"])?;
         let n2 = &self.node2;
-        n.ip(&["link", "add", "nn0", "type", "veth", "peer", "name", "n0", "netns", &n2.name])?;
-        n.ip(&["addr", "add", &format!("{NODE_ADDR}/24"), "dev", "nn0"])?;
-        n.ip(&["link", "set", "nn0", "up"])?;
-        n2.ip(&["addr", "add", &format!("{NODE2_IP}/24"), "dev", "n0"])?;
-        n2.ip(&["link", "set", "n0", "up"])?;
+        veth_pair(n, ("nn0", NODE_ADDR), n2, ("n0", NODE2_IP))?;
         n.sysctl("net.ipv4.ip_forward", "1")?;
         n.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
         n.sysctl("net.ipv6.conf.all.forwarding", "1")?;
@@ -152,12 +144,7 @@ impl Lab {
     /// in every other way.
     pub fn add_side_client(&mut self) -> Result<()> {
         let c = Netns::new(&format!("{}-cli2", self.tag))?;
-        let n = &self.node;
-        n.ip(&["link", "add", "nc1", "type", "veth", "peer", "name", "c1", "netns", &c.name])?;
-        n.ip(&["addr", "add", &format!("{SIDE_NODE_IP}/24"), "dev", "nc1"])?;
-        n.ip(&["link", "set", "nc1", "up"])?;
-        c.ip(&["addr", "add", &format!("{SIDE_CLIENT_IP}/24"), "dev", "c1"])?;
-        c.ip(&["link", "set", "c1", "up"])?;
+        veth_pair(&self.node, ("nc1", SIDE_NODE_IP), &c, ("c1", SIDE_CLIENT_IP))?;
         c.ip(&["route", "add", "198.18.1.0/24", "via", SIDE_NODE_IP])?;
         self.side_client = Some(c);
         Ok(())
@@ -239,6 +226,16 @@ impl Lab {
     fn json_of(cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
         netkit_json(cmd, args)
     }
+}
+
+/// A veth pair from `a` to `b`, each end with its IPv4 address in a /24 and up.
+fn veth_pair(a: &Netns, (a_if, a_ip): (&str, &str), b: &Netns, (b_if, b_ip): (&str, &str)) -> Result<()> {
+    a.ip(&["link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", &b.name])?;
+    a.ip(&["addr", "add", &format!("{a_ip}/24"), "dev", a_if])?;
+    a.ip(&["link", "set", a_if, "up"])?;
+    b.ip(&["addr", "add", &format!("{b_ip}/24"), "dev", b_if])?;
+    b.ip(&["link", "set", b_if, "up"])?;
+    Ok(())
 }
 
 /// Runs a netkit client command (`args` for messages) to completion and parses its JSON output.
