@@ -156,20 +156,35 @@ pub fn programs_using_maps(name: &str, map_ids: &[u32]) -> Result<Vec<u32>> {
 /// `out`). `ctx` is the program's context to start from (`__sk_buff` for TC), if any.
 /// Returns the program's return value and the length of the packet in `out` afterwards.
 pub fn test_run(fd: &OwnedFd, data: &[u8], ctx: Option<&[u8]>, out: &mut [u8]) -> std::io::Result<(i32, usize)> {
+    test_run_timed(fd, data, ctx, out).map(|r| (r.retval, r.len))
+}
+
+/// What one [`test_run_timed`] returned.
+pub struct TestRun {
+    pub retval: i32,
+    /// Length of the packet in `out` afterwards.
+    pub len: usize,
+    /// How long the program ran, as the kernel measured it (ns, with the resolution of
+    /// `ktime_get_ns`).
+    pub duration_ns: u32,
+}
+
+/// [`test_run`] with the kernel's measure of the program's run time: one run on a fresh
+/// skb (or xdp_buff) built from `data`.
+pub fn test_run_timed(fd: &OwnedFd, data: &[u8], ctx: Option<&[u8]>, out: &mut [u8]) -> std::io::Result<TestRun> {
     let mut attr = [0u64; 16];
     attr[0] = std::os::fd::AsRawFd::as_raw_fd(fd) as u64; // prog_fd; retval (high half) out
     attr[1] = data.len() as u64 | ((out.len() as u64) << 32); // data_size_in, data_size_out
     attr[2] = data.as_ptr() as u64; // data_in
     attr[3] = out.as_mut_ptr() as u64; // data_out
-    attr[4] = 1; // repeat = 1, duration out
+    attr[4] = 1; // repeat = 1, duration (high half) out
     if let Some(c) = ctx {
         attr[5] = c.len() as u64; // ctx_size_in (ctx_size_out 0: no context copied back)
         attr[6] = c.as_ptr() as u64; // ctx_in
     }
     bpf(BPF_PROG_TEST_RUN, &mut attr)?;
-    let retval = (attr[0] >> 32) as u32 as i32;
     let size_out = (attr[1] >> 32) as usize;
-    Ok((retval, size_out.min(out.len())))
+    Ok(TestRun { retval: (attr[0] >> 32) as u32 as i32, len: size_out.min(out.len()), duration_ns: (attr[4] >> 32) as u32 })
 }
 
 /// The ids of the maps the program with id `id` uses.

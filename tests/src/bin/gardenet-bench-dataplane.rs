@@ -16,7 +16,11 @@
 //!      connections from the main client (which stale TC conntrack entries can break, see
 //!      `stale_ct_probe`);
 //!   C. no agent: kube-proxy-style nat ruleset loaded with iptables-restore in the node
-//!      namespace (nft backend, then legacy if installed): iptables (client -> VIP).
+//!      namespace (nft backend, then legacy if installed): iptables (client -> VIP);
+//!   D. kube-proxy's nftables-mode ruleset, loaded in one transaction: nftables (client -> VIP);
+//!   E. ablation: TC LB and direct with each piece of the datapath taken away in turn, with
+//!      the programs' run-time statistics;
+//!   F. per packet: each path through the TC programs run on its own (`BPF_PROG_TEST_RUN`).
 use std::{
     collections::BTreeMap,
     io::Write,
@@ -63,8 +67,8 @@ struct Args {
     /// modes talk to the very same server, which isolates the cost of the LB itself.
     #[arg(long, default_value_t = 3)]
     backends: usize,
-    /// Phases to run: socket, tc, iptables, nftables, ablation.
-    #[arg(long, value_delimiter = ',', default_value = "socket,tc,iptables,nftables,ablation")]
+    /// Phases to run: socket, tc, iptables, nftables, ablation, packets.
+    #[arg(long, value_delimiter = ',', default_value = "socket,tc,iptables,nftables,ablation,packets")]
     phases: Vec<String>,
     /// Length of the one long TCP stream per mode (seconds; 0: none).
     #[arg(long, default_value_t = 10.0)]
@@ -233,6 +237,8 @@ struct Results {
     ablation: Vec<(String, Vec<String>)>,
     /// Program name -> instructions the verifier processed (`bpf_prog_info.verified_insns`).
     verified: BTreeMap<String, u32>,
+    /// Per-packet phase: (path, program, run times in ns).
+    packets: Vec<(&'static str, &'static str, Vec<u32>)>,
     timings: Vec<(String, String)>,
     probes: Vec<String>,
 }
@@ -899,6 +905,97 @@ fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     Ok(())
 }
 
+/// One path through a TC program for the per-packet phase: which program, and the packet.
+struct PacketCase {
+    path: &'static str,
+    prog: &'static str,
+    packet: Vec<u8>,
+}
+
+/// A TCP frame of `len` payload bytes with the given flags (valid checksums).
+fn tcp_frame(src: &str, dst: &str, sport: u16, dport: u16, flags: u8) -> Result<Vec<u8>> {
+    use gardenet_tests::corpus::build::{Spec, L4};
+    let l4 = L4::Tcp { sport, dport, seq: 1, ack: 1, flags, window: 512, opts: vec![], payload: vec![0x61; 64] };
+    Ok(Spec::new(src.parse()?, dst.parse()?, l4).build())
+}
+
+/// Each path through the TC programs on its own, with `BPF_PROG_TEST_RUN`: the kernel runs
+/// the program once on a fresh skb built from a given packet and reports the run time. No
+/// scheduling, no other traffic: what the programs and their helpers cost per packet, with
+/// hot caches, so two builds of the programs can be compared on a busy machine. (In traffic
+/// a packet also pays cache misses, and the first rewrite of a cloned skb copies its header.)
+fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
+    use gardenet_common::{MAP_CT, MAP_SERVICES};
+    eprintln!("\nbench: phase F: per packet (each TC path on its own, BPF_PROG_TEST_RUN)");
+    const TCP_SYN: u8 = 0x02;
+    const TCP_ACK: u8 = 0x10;
+    // Frontends: 80 -> 8080 (address and port rewritten) and 8080 -> 8080 (address only).
+    let (fe, fe_same) = ("198.19.0.10", "198.19.0.11");
+    let manifests = [
+        ("svc.yaml", service_yaml("web", fe, PORT, &["TCP"])),
+        ("eps.yaml", slice_yaml("web", &[0], &["TCP"])),
+        ("same.yaml", service_yaml("same", fe_same, SERVER_PORT, &["TCP"])),
+        ("same-eps.yaml", slice_yaml("same", &[0], &["TCP"])),
+    ];
+    let agent = Agent::start(lab, AgentOpts { tc: true, extra: vec!["--xdp-mode=off".into()], ..Default::default() }, &manifests)?;
+    agent.wait_backends(&format!("{fe}:{PORT}/tcp"), 1)?;
+    agent.wait_backends(&format!("{fe_same}:{SERVER_PORT}/tcp"), 1)?;
+    // This agent's programs: the instances that use its pinned maps.
+    let pinned = [MAP_SERVICES, MAP_CT].iter().map(|m| Ok(aya::maps::MapData::from_pin(agent.bpffs.join(m))?.info()?.id())).collect::<Result<Vec<u32>>>()?;
+    let mut fds = BTreeMap::new();
+    for p in ["gn_tc_ingress", "gn_tc_egress"] {
+        let ids = gardenet_tests::bpfstats::programs_using_maps(p, &pinned)?;
+        let [id] = ids[..] else { bail!("{p}: expected one instance using this agent's maps, found {ids:?}") };
+        fds.insert(p, gardenet_tests::bpfstats::prog_fd(id)?);
+    }
+    let (client, be) = (gardenet_tests::lab::CLIENT_IP, backend_ip(0));
+    let cases = [
+        PacketCase {
+            path: "new flow: SYN to a frontend (backend chosen, 2 conntrack entries written)",
+            prog: "gn_tc_ingress",
+            packet: tcp_frame(client, fe, 40000, PORT, TCP_SYN)?,
+        },
+        PacketCase { path: "established flow: DNAT of address and port", prog: "gn_tc_ingress", packet: tcp_frame(client, fe, 40000, PORT, TCP_ACK)? },
+        PacketCase { path: "established flow: DNAT, same port", prog: "gn_tc_ingress", packet: tcp_frame(client, fe_same, 40002, SERVER_PORT, TCP_ACK)? },
+        PacketCase { path: "reply: reverse NAT of address and port", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40000, TCP_ACK)? },
+        PacketCase { path: "reply: reverse NAT, same port", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40002, TCP_ACK)? },
+        PacketCase { path: "untranslated (client -> backend address)", prog: "gn_tc_ingress", packet: tcp_frame(client, &be, 40001, SERVER_PORT, TCP_ACK)? },
+        PacketCase { path: "untranslated (backend -> client)", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40001, TCP_ACK)? },
+    ];
+    let syn_same = tcp_frame(client, fe_same, 40002, SERVER_PORT, TCP_SYN)?;
+    let mut times: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
+    lab.node.run_in(|| -> Result<()> {
+        // As if the packets came in on the client's link (source NAT's FIB lookups use it).
+        let nc0 = unsafe { libc::if_nametoindex(c"nc0".as_ptr()) };
+        let mut ctx = vec![0u8; 44];
+        ctx[40..44].copy_from_slice(&nc0.to_ne_bytes()); // __sk_buff.ifindex
+        let mut out = vec![0u8; 2048];
+        let run = |out: &mut [u8], c: &PacketCase| gardenet_tests::bpfstats::test_run_timed(&fds[c.prog], &c.packet, Some(&ctx), out);
+        // The flows the "established" and "reply" packets belong to.
+        for (syn, to) in [(&cases[0].packet, fe), (&syn_same, fe_same)] {
+            let r = gardenet_tests::bpfstats::test_run_timed(&fds["gn_tc_ingress"], syn, Some(&ctx), &mut out)?;
+            if r.len < 34 || out[30..34] == to.parse::<std::net::Ipv4Addr>()?.octets() {
+                bail!("the SYN to {to} was not translated");
+            }
+        }
+        // Rounds of every case in turn, so a disturbance hits all of them alike.
+        for _ in 0..args.runs {
+            check_stop()?;
+            for (c, t) in cases.iter().zip(&mut times) {
+                for _ in 0..args.count {
+                    t.push(run(&mut out, c)?.duration_ns);
+                }
+            }
+        }
+        Ok(())
+    })??;
+    for (c, mut t) in cases.into_iter().zip(times) {
+        t.sort_unstable();
+        res.packets.push((c.path, c.prog, t));
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // report
 
@@ -1071,6 +1168,17 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         o.push_str("\n### Verifier: instructions processed per program (`bpf_prog_info.verified_insns`)\n\n| program | instructions |\n|---|---:|\n");
         for (name, n) in &res.verified {
             o.push_str(&format!("| {name} | {} |\n", thousands(*n as f64)));
+        }
+    }
+    if !res.packets.is_empty() {
+        o.push_str(&format!(
+            "\n### Per packet: each TC path on its own (IPv4, `BPF_PROG_TEST_RUN` on a fresh skb, {} x {} runs per path)\n\n\
+             | path | program | ns p50 | ns p90 |\n|---|---|---:|---:|\n",
+            args.runs, args.count
+        ));
+        for (path, prog, t) in &res.packets {
+            let q = |p: f64| t.get(((t.len() as f64 * p).ceil() as usize).saturating_sub(1)).map(|v| v.to_string()).unwrap_or_else(|| "n/a".into());
+            o.push_str(&format!("| {path} | {prog} | {} | {} |\n", q(0.5), q(0.9)));
         }
     }
     o.push_str("\n### Controls\n\n\"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
@@ -1254,6 +1362,9 @@ fn main() -> Result<()> {
         }
         if on("ablation") {
             phase_ablation(&lab, &args, &mut res)?;
+        }
+        if on("packets") {
+            phase_packets(&lab, &args, &mut res)?;
         }
         Ok(())
     })();
