@@ -275,7 +275,10 @@ pub struct CtValue4 {
     pub addr: u32,
     pub port: u16,
     pub flags: u16,
-    /// `bpf_ktime_get_ns()` of the last packet that used the entry.
+    /// `bpf_ktime_get_ns()` when the entry was made. Source-NAT entries (`CT_DIR_SNAT_*` and
+    /// forward entries flagged `CT_FLAG_SNAT`): of the last packet that used it, at most a
+    /// second old, since a source-NAT port is reused by idle time; other entries are not
+    /// updated per packet (nothing reads their time, and a clock read per packet costs).
     pub last_seen_ns: u64,
 }
 

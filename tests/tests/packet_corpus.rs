@@ -46,7 +46,7 @@ fn manifests() -> Vec<(&'static str, String)> {
     let svc = |name: &str, ty: &str, v4: &str, v6: &str| {
         let np = |p: &str| if ty == "NodePort" { format!(", nodePort: {NODE_PORT}, protocol: {p}") } else { format!(", protocol: {p}") };
         format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  type: {ty}\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: {v4}\n  clusterIPs: [{v4}, \"{v6}\"]\n{}  ports:\n  - {{name: p-tcp, port: 80, targetPort: {SERVER_PORT}{}}}\n  - {{name: p-udp, port: 80, targetPort: {SERVER_PORT}{}}}\n",
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: lab}}\nspec:\n  type: {ty}\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: {v4}\n  clusterIPs: [{v4}, \"{v6}\"]\n{}  ports:\n  - {{name: p-tcp, port: 80, targetPort: {SERVER_PORT}{}}}\n  - {{name: p-udp, port: 80, targetPort: {SERVER_PORT}{}}}\n  - {{name: p-same-tcp, port: {SERVER_PORT}, targetPort: {SERVER_PORT}, protocol: TCP}}\n  - {{name: p-same-udp, port: {SERVER_PORT}, targetPort: {SERVER_PORT}, protocol: UDP}}\n",
             if ty == "NodePort" { "  externalTrafficPolicy: Cluster\n" } else { "" },
             np("TCP"),
             np("UDP")
@@ -58,7 +58,7 @@ fn manifests() -> Vec<(&'static str, String)> {
         let eps: Vec<String> = addrs.iter().map(|(a, n)| format!("  - addresses: [\"{a}\"]\n    conditions: {{ready: true}}\n    nodeName: {n}")).collect();
         let eps = if eps.is_empty() { "endpoints: []".to_string() } else { format!("endpoints:\n{}", eps.join("\n")) };
         format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-{}, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: {fam}\nports:\n  - {{name: p-tcp, port: {SERVER_PORT}, protocol: TCP}}\n  - {{name: p-udp, port: {SERVER_PORT}, protocol: UDP}}\n{eps}\n",
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-{}, namespace: lab, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: {fam}\nports:\n  - {{name: p-tcp, port: {SERVER_PORT}, protocol: TCP}}\n  - {{name: p-udp, port: {SERVER_PORT}, protocol: UDP}}\n  - {{name: p-same-tcp, port: {SERVER_PORT}, protocol: TCP}}\n  - {{name: p-same-udp, port: {SERVER_PORT}, protocol: UDP}}\n{eps}\n",
             fam.to_lowercase()
         )
     };
@@ -204,10 +204,19 @@ fn every_program_survives_the_packet_corpus() {
             let mut progs = Progs { fds, ctx: Some(skb_ctx(nc0)), out: vec![0; PROBE_MAX + 512] };
             let v6s = |s: &[&str]| s.iter().map(|a| ip(a)).collect::<Vec<_>>();
             let mut plan = Plan {
-                web: [format!("{VIP4}:80"), format!("[{VIP6}]:80"), format!("{NODE_ADDR}:{NODE_PORT}"), format!("[{NODE_ADDR6}]:{NODE_PORT}")]
-                    .iter()
-                    .map(|s| s.parse().unwrap())
-                    .collect(),
+                // The ClusterIPs on port 80 (to the backends' 8080) and on 8080 itself: a
+                // translation that keeps the port rewrites only the address.
+                web: [
+                    format!("{VIP4}:80"),
+                    format!("[{VIP6}]:80"),
+                    format!("{VIP4}:{SERVER_PORT}"),
+                    format!("[{VIP6}]:{SERVER_PORT}"),
+                    format!("{NODE_ADDR}:{NODE_PORT}"),
+                    format!("[{NODE_ADDR6}]:{NODE_PORT}"),
+                ]
+                .iter()
+                .map(|s| s.parse().unwrap())
+                .collect(),
                 empty: vec![format!("{EMPTY4}:80").parse().unwrap(), format!("[{EMPTY6}]:80").parse().unwrap()],
                 unserved: [format!("{VIP4}:81"), format!("[{VIP6}]:81"), format!("{EMPTY4}:443"), format!("[{EMPTY6}]:443")]
                     .iter()

@@ -28,6 +28,10 @@ fn rewrite<F: L3>(ctx: &TcContext, f: &Flow<F>, addr: (usize, F::Addr, F::Addr),
     let csum = f.csum_off();
     let fl = f.csum_flags();
     F::rewrite_addr(ctx, csum, fl, addr.0, addr.1, addr.2)?;
+    // Most Services forward to the same port (80 -> 80): two helper calls saved per packet.
+    if port.1 == port.2 {
+        return Some(());
+    }
     ctx.l4_csum_replace(csum, port.1 as u64, port.2 as u64, 2 | fl).ok()?;
     ctx.store(port.0, &port.2, 0).ok()
 }

@@ -145,7 +145,6 @@ fn ingress<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
     if let Some(v) = snat::reverse(ctx, f) {
         return Some(v);
     }
-    let now = unsafe { bpf_ktime_get_ns() };
     let fresh_syn = f.fresh_syn();
     let fkey = f.ct_key(CT_DIR_FORWARD);
     // Established flows keep their backend even if the service changed meanwhile; a new SYN
@@ -155,9 +154,11 @@ fn ingress<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
     if !fresh_syn {
         if let Some(ct) = F::conntrack().get_ptr_mut(&fkey) {
             let ct = unsafe { &mut *ct };
-            touch(F::ct_marks(ct).0, now);
             let (addr, port, flags) = F::ct_target(ct);
             if flags & CT_FLAG_SNAT != 0 {
+                // Only source-NAT entries keep their last use: their ports are reused by it.
+                let now = unsafe { bpf_ktime_get_ns() };
+                touch(F::ct_marks(ct).0, now);
                 return Some(snat::established(ctx, f, addr, port, now));
             }
             l4::dnat(ctx, f, addr, port)?;
@@ -205,6 +206,7 @@ fn ingress<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
         stat(Stat::TcMissingBackend);
         return None;
     };
+    let now = unsafe { bpf_ktime_get_ns() };
     if master.flags & SVC_FLAG_SNAT_REMOTE != 0 && be.flags & BE_FLAG_REMOTE != 0 {
         return Some(snat::new(ctx, f, &fkey, &be, now));
     }
@@ -221,9 +223,7 @@ fn ingress<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
 /// Source NAT of a backend's reply back to the frontend the client used.
 #[inline(always)]
 fn rev_nat<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
-    let ct = F::conntrack().get_ptr_mut(&f.ct_key(CT_DIR_REPLY))?;
-    let ct = unsafe { &mut *ct };
-    touch(F::ct_marks(ct).0, unsafe { bpf_ktime_get_ns() });
+    let ct = unsafe { F::conntrack().get(&f.ct_key(CT_DIR_REPLY))? };
     let (addr, port, _) = F::ct_target(ct);
     l4::snat(ctx, f, addr, port)?;
     stat(Stat::TcRevNat);
