@@ -11,23 +11,58 @@ use network_types::{
     ip::{IpProto, Ipv4Hdr, Ipv6Hdr},
 };
 
-use super::BPF_F_PSEUDO_HDR;
+use super::{
+    l4::{end_fields, rewrite_port, End},
+    BPF_F_PSEUDO_HDR,
+};
 use crate::{
     family::{V4, V6},
-    headers::{ipv4_ihl, is_l4, Headers, ETH_HLEN, IP_FRAG_MASK},
+    headers::{ipv4_ihl, is_l4, linear, Flow, Headers, ETH_HLEN, IP_FRAG_MASK},
 };
 
 const ETH_TYPE_OFF: usize = offset_of!(EthHdr, ether_type);
 const IP_CSUM_OFF: usize = ETH_HLEN + offset_of!(Ipv4Hdr, check);
+
+/// IPv4 header checksum, source and destination address, then (without options) the ports.
+const RUN_LEN: usize = 2 + 4 + 4 + 2 + 2;
+
+/// Writes `addr` and `port` into `end`'s place in a copy of the 14 bytes from the IPv4
+/// header checksum to the destination port, and updates that checksum for the address
+/// (RFC 1624: HC' = ~(~HC + ~m + m'), one 16-bit word at a time). Words are summed as
+/// they are stored; a one's-complement sum comes out the same in either byte order.
+#[inline(always)]
+fn patch_run(run: &mut [u8; RUN_LEN], end: End, old: u32, addr: u32, port: u16) {
+    let hc = u16::from_ne_bytes([run[0], run[1]]);
+    let (o, n) = (old.to_ne_bytes(), addr.to_ne_bytes());
+    let mut sum = (!hc) as u32;
+    sum += (!u16::from_ne_bytes([o[0], o[1]])) as u32 + (!u16::from_ne_bytes([o[2], o[3]])) as u32;
+    sum += u16::from_ne_bytes([n[0], n[1]]) as u32 + u16::from_ne_bytes([n[2], n[3]]) as u32;
+    // Two folds are always enough (a loop would make the verifier walk every count).
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    run[..2].copy_from_slice(&(!(sum as u16)).to_ne_bytes());
+    let p = port.to_ne_bytes();
+    match end {
+        End::Src => {
+            run[2..6].copy_from_slice(&n);
+            run[10..12].copy_from_slice(&p);
+        }
+        End::Dst => {
+            run[6..10].copy_from_slice(&n);
+            run[12..14].copy_from_slice(&p);
+        }
+    }
+}
 
 /// The layout of a family's IP header, as TC LB uses it.
 pub trait L3: Headers {
     /// `AF_INET`/`AF_INET6`, for the FIB lookup.
     const AF: u8;
 
-    /// Writes address `new` over `old` at packet offset `off`, keeping the IPv4 header
-    /// checksum and the L4 checksum at `csum` (through the pseudo header) right.
-    fn rewrite_addr(ctx: &TcContext, csum: usize, csum_flags: u64, off: usize, old: Self::Addr, new: Self::Addr) -> Option<()>;
+    /// Writes `addr` and `port` over the address and port of `end` of the flow `f`, keeping
+    /// the IPv4 header checksum and the L4 checksum right (the address through the pseudo
+    /// header).
+    fn rewrite_end(ctx: &TcContext, f: &Flow<Self>, end: End, addr: Self::Addr, port: u16) -> Option<()>;
     /// Redirected packets skip the stack's forwarding, so the TTL/hop limit is decremented
     /// here; `None` for a packet that would expire (it is not sent on).
     fn decrement_ttl(ctx: &TcContext) -> Option<()>;
@@ -67,10 +102,26 @@ impl L3 for V4 {
     const AF: u8 = 2;
 
     #[inline(always)]
-    fn rewrite_addr(ctx: &TcContext, csum: usize, csum_flags: u64, off: usize, old: u32, new: u32) -> Option<()> {
-        ctx.l4_csum_replace(csum, old as u64, new as u64, BPF_F_PSEUDO_HDR | 4 | csum_flags).ok()?;
-        ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4).ok()?;
-        ctx.store(off, &new, 0).ok()
+    fn rewrite_end(ctx: &TcContext, f: &Flow<V4>, end: End, addr: u32, port: u16) -> Option<()> {
+        let ((addr_off, old), (port_off, old_port)) = end_fields(f, end);
+        let (csum, fl) = (f.csum_off(), f.csum_flags());
+        // Without IP options, the header checksum, both addresses and both ports are 14
+        // bytes in a row: the header checksum is updated here and the run is written back
+        // with one store, instead of a checksum helper and two stores (~45 ns a call).
+        if f.l4 == ETH_HLEN + Ipv4Hdr::LEN {
+            if let Some(mut run) = linear::<[u8; RUN_LEN]>(ctx.data(), ctx.data_end(), IP_CSUM_OFF) {
+                ctx.l4_csum_replace(csum, old as u64, addr as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+                if port != old_port {
+                    ctx.l4_csum_replace(csum, old_port as u64, port as u64, 2 | fl).ok()?;
+                }
+                patch_run(&mut run, end, old, addr, port);
+                return ctx.store(IP_CSUM_OFF, &run, 0).ok();
+            }
+        }
+        ctx.l4_csum_replace(csum, old as u64, addr as u64, BPF_F_PSEUDO_HDR | 4 | fl).ok()?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, addr as u64, 4).ok()?;
+        ctx.store(addr_off, &addr, 0).ok()?;
+        rewrite_port(ctx, f, port_off, old_port, port)
     }
 
     #[inline(always)]
@@ -163,8 +214,10 @@ impl L3 for V6 {
     const AF: u8 = 10;
 
     #[inline(always)]
-    fn rewrite_addr(ctx: &TcContext, csum: usize, csum_flags: u64, off: usize, old: Ip6, new: Ip6) -> Option<()> {
-        rewrite_ip6(ctx, csum, BPF_F_PSEUDO_HDR | csum_flags, off, &old, &new)
+    fn rewrite_end(ctx: &TcContext, f: &Flow<V6>, end: End, addr: Ip6, port: u16) -> Option<()> {
+        let ((addr_off, old), (port_off, old_port)) = end_fields(f, end);
+        rewrite_ip6(ctx, f.csum_off(), BPF_F_PSEUDO_HDR | f.csum_flags(), addr_off, &old, &addr)?;
+        rewrite_port(ctx, f, port_off, old_port, port)
     }
 
     /// No header checksum in IPv6.

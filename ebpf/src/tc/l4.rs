@@ -1,6 +1,6 @@
-//! Rewrites of a TCP/UDP packet in place: one end's address and port (DNAT, SNAT), and a
-//! SYN turned into the RST a closed port would send. Written once; the family only says
-//! where its addresses are and which checksums they are in (`L3`).
+//! Rewrites of a TCP/UDP packet in place: one end's address and port (DNAT, SNAT; the
+//! family writes them, `L3::rewrite_end`, as its header's layout allows), and a SYN turned
+//! into the RST a closed port would send, written once for both families.
 use core::mem::offset_of;
 
 use aya_ebpf::programs::TcContext;
@@ -9,31 +9,45 @@ use network_types::{eth::EthHdr, tcp::TcpHdr};
 use super::l3::L3;
 use crate::headers::{Flow, ETH_HLEN, TCP_FLAGS_OFF, TCP_FLAG_ACK, TCP_FLAG_RST};
 
+/// Which end of a flow a rewrite changes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    Src,
+    Dst,
+}
+
 /// Rewrites the destination address and port.
 #[inline(always)]
 pub fn dnat<F: L3>(ctx: &TcContext, f: &Flow<F>, addr: F::Addr, port: u16) -> Option<()> {
-    rewrite(ctx, f, (ETH_HLEN + F::DADDR, f.daddr, addr), (f.l4 + offset_of!(TcpHdr, dest), f.dport, port))
+    F::rewrite_end(ctx, f, End::Dst, addr, port)
 }
 
 /// Rewrites the source address and port (the counterpart of `dnat`).
 #[inline(always)]
 pub fn snat<F: L3>(ctx: &TcContext, f: &Flow<F>, addr: F::Addr, port: u16) -> Option<()> {
-    rewrite(ctx, f, (ETH_HLEN + F::SADDR, f.saddr, addr), (f.l4 + offset_of!(TcpHdr, source), f.sport, port))
+    F::rewrite_end(ctx, f, End::Src, addr, port)
 }
 
-/// (offset, old, new) of an address and of a port. TCP and UDP have their ports at the same
-/// offsets.
+/// Where `end`'s address and port are and what they hold (as parsed). TCP and UDP have
+/// their ports at the same offsets.
 #[inline(always)]
-fn rewrite<F: L3>(ctx: &TcContext, f: &Flow<F>, addr: (usize, F::Addr, F::Addr), port: (usize, u16, u16)) -> Option<()> {
-    let csum = f.csum_off();
-    let fl = f.csum_flags();
-    F::rewrite_addr(ctx, csum, fl, addr.0, addr.1, addr.2)?;
-    // Most Services forward to the same port (80 -> 80): two helper calls saved per packet.
-    if port.1 == port.2 {
+pub fn end_fields<F: L3>(f: &Flow<F>, end: End) -> ((usize, F::Addr), (usize, u16)) {
+    match end {
+        End::Src => ((ETH_HLEN + F::SADDR, f.saddr), (f.l4 + offset_of!(TcpHdr, source), f.sport)),
+        End::Dst => ((ETH_HLEN + F::DADDR, f.daddr), (f.l4 + offset_of!(TcpHdr, dest), f.dport)),
+    }
+}
+
+/// The port's part of a rewrite: its L4 checksum update (ports are not in the pseudo header)
+/// and its store; nothing when the port stays (most Services forward 80 to 80: two helper
+/// calls saved per packet).
+#[inline(always)]
+pub fn rewrite_port<F: L3>(ctx: &TcContext, f: &Flow<F>, off: usize, old: u16, new: u16) -> Option<()> {
+    if old == new {
         return Some(());
     }
-    ctx.l4_csum_replace(csum, port.1 as u64, port.2 as u64, 2 | fl).ok()?;
-    ctx.store(port.0, &port.2, 0).ok()
+    ctx.l4_csum_replace(f.csum_off(), old as u64, new as u64, 2 | f.csum_flags()).ok()?;
+    ctx.store(off, &new, 0).ok()
 }
 
 /// Rewrites a SYN into the RST+ACK a closed port would send. Every changed field goes through
