@@ -929,17 +929,20 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     eprintln!("\nbench: phase F: per packet (each TC path on its own, BPF_PROG_TEST_RUN)");
     const TCP_SYN: u8 = 0x02;
     const TCP_ACK: u8 = 0x10;
-    // Frontends: 80 -> 8080 (address and port rewritten) and 8080 -> 8080 (address only).
-    let (fe, fe_same) = ("198.19.0.10", "198.19.0.11");
+    // Frontends: 80 -> 8080 (address and port rewritten; IPv4 and IPv6) and 8080 -> 8080
+    // (address only).
+    let (fe, fe_same, fe6) = ("198.19.0.10", "198.19.0.11", "fd00:19::10");
     let manifests = [
-        ("svc.yaml", service_yaml("web", fe, PORT, &["TCP"])),
+        ("svc.yaml", gardenet_tests::lab::service_yaml_dual("web", fe, fe6, PORT, &["TCP"])),
         ("eps.yaml", slice_yaml("web", &[0], &["TCP"])),
+        ("eps6.yaml", gardenet_tests::lab::slice_yaml6("web", &[0], &["TCP"])),
         ("same.yaml", service_yaml("same", fe_same, SERVER_PORT, &["TCP"])),
         ("same-eps.yaml", slice_yaml("same", &[0], &["TCP"])),
     ];
     let agent = Agent::start(lab, AgentOpts { tc: true, extra: vec!["--xdp-mode=off".into()], ..Default::default() }, &manifests)?;
     agent.wait_backends(&format!("{fe}:{PORT}/tcp"), 1)?;
     agent.wait_backends(&format!("{fe_same}:{SERVER_PORT}/tcp"), 1)?;
+    agent.wait_backends(&format!("[{fe6}]:{PORT}/tcp"), 1)?;
     // This agent's programs: the instances that use its pinned maps.
     let pinned = [MAP_SERVICES, MAP_CT].iter().map(|m| Ok(aya::maps::MapData::from_pin(agent.bpffs.join(m))?.info()?.id())).collect::<Result<Vec<u32>>>()?;
     let mut fds = BTreeMap::new();
@@ -949,6 +952,7 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         fds.insert(p, gardenet_tests::bpfstats::prog_fd(id)?);
     }
     let (client, be) = (gardenet_tests::lab::CLIENT_IP, backend_ip(0));
+    let (client6, be6) = (gardenet_tests::lab::CLIENT_IP6, gardenet_tests::lab::backend_ip6(0));
     let cases = [
         PacketCase {
             path: "new flow: SYN to a frontend (backend chosen, 2 conntrack entries written)",
@@ -961,8 +965,20 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         PacketCase { path: "reply: reverse NAT, same port", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40002, TCP_ACK)? },
         PacketCase { path: "untranslated (client -> backend address)", prog: "gn_tc_ingress", packet: tcp_frame(client, &be, 40001, SERVER_PORT, TCP_ACK)? },
         PacketCase { path: "untranslated (backend -> client)", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40001, TCP_ACK)? },
+        PacketCase { path: "IPv6, established flow: DNAT of address and port", prog: "gn_tc_ingress", packet: tcp_frame(client6, fe6, 40000, PORT, TCP_ACK)? },
+        PacketCase {
+            path: "IPv6, reply: reverse NAT of address and port",
+            prog: "gn_tc_egress",
+            packet: tcp_frame(&be6, client6, SERVER_PORT, 40000, TCP_ACK)?,
+        },
+        PacketCase {
+            path: "IPv6, untranslated (client -> backend address)",
+            prog: "gn_tc_ingress",
+            packet: tcp_frame(client6, &be6, 40001, SERVER_PORT, TCP_ACK)?,
+        },
     ];
     let syn_same = tcp_frame(client, fe_same, 40002, SERVER_PORT, TCP_SYN)?;
+    let syn6 = tcp_frame(client6, fe6, 40000, PORT, TCP_SYN)?;
     let mut times: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
     lab.node.run_in(|| -> Result<()> {
         // As if the packets came in on the client's link (source NAT's FIB lookups use it).
@@ -972,9 +988,14 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         let mut out = vec![0u8; 2048];
         let run = |out: &mut [u8], c: &PacketCase| gardenet_tests::bpfstats::test_run_timed(&fds[c.prog], &c.packet, Some(&ctx), out);
         // The flows the "established" and "reply" packets belong to.
-        for (syn, to) in [(&cases[0].packet, fe), (&syn_same, fe_same)] {
+        for (syn, to) in [(&cases[0].packet, fe), (&syn_same, fe_same), (&syn6, fe6)] {
             let r = gardenet_tests::bpfstats::test_run_timed(&fds["gn_tc_ingress"], syn, Some(&ctx), &mut out)?;
-            if r.len < 34 || out[30..34] == to.parse::<std::net::Ipv4Addr>()?.octets() {
+            // The destination address: at 30 in IPv4, at 38 in IPv6 (after the Ethernet header).
+            let dst = match to.parse::<std::net::IpAddr>()? {
+                std::net::IpAddr::V4(a) => (30, a.octets().to_vec()),
+                std::net::IpAddr::V6(a) => (38, a.octets().to_vec()),
+            };
+            if r.len < dst.0 + dst.1.len() || out[dst.0..dst.0 + dst.1.len()] == dst.1[..] {
                 bail!("the SYN to {to} was not translated");
             }
         }
@@ -1172,7 +1193,7 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     }
     if !res.packets.is_empty() {
         o.push_str(&format!(
-            "\n### Per packet: each TC path on its own (IPv4, `BPF_PROG_TEST_RUN` on a fresh skb, {} x {} runs per path)\n\n\
+            "\n### Per packet: each TC path on its own (`BPF_PROG_TEST_RUN` on a fresh skb, {} x {} runs per path)\n\n\
              | path | program | ns p50 | ns p90 |\n|---|---|---:|---:|\n",
             args.runs, args.count
         ));
