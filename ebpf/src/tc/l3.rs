@@ -199,7 +199,7 @@ impl L3 for V4 {
 }
 
 // IPv6: no L3 checksum; the L4 checksum covers the addresses through the pseudo header, so
-// every changed address word goes through `l4_csum_replace` with BPF_F_PSEUDO_HDR.
+// every changed address goes into it through `l4_csum_replace` with BPF_F_PSEUDO_HDR.
 
 /// Rewrites a 16-byte address into the checksum at `csum`, then stores it. One helper call
 /// for the checksum instead of one per 32-bit word: the difference of the two addresses is

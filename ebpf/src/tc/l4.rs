@@ -39,7 +39,7 @@ pub fn end_fields<F: L3>(f: &Flow<F>, end: End) -> ((usize, F::Addr), (usize, u1
 }
 
 /// The port's part of a rewrite: its L4 checksum update (ports are not in the pseudo header)
-/// and its store; nothing when the port stays (most Services forward 80 to 80: two helper
+/// and its store; nothing when the port stays (a Service forwarding 80 to 80: two helper
 /// calls saved per packet).
 #[inline(always)]
 pub fn rewrite_port<F: L3>(ctx: &TcContext, f: &Flow<F>, off: usize, old: u16, new: u16) -> Option<()> {
