@@ -905,14 +905,17 @@ fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     Ok(())
 }
 
-/// One path through a TC program for the per-packet phase: which program, and the packet.
+/// One path through a TC program for the per-packet phase: which program, the packet, and
+/// whether the program rewrites it (checked once before the timed runs, so each row
+/// measures the path it names).
 struct PacketCase {
     path: &'static str,
     prog: &'static str,
     packet: Vec<u8>,
+    rewritten: bool,
 }
 
-/// A TCP frame of `len` payload bytes with the given flags (valid checksums).
+/// A TCP frame with 64 payload bytes and the given flags (valid checksums).
 fn tcp_frame(src: &str, dst: &str, sport: u16, dport: u16, flags: u8) -> Result<Vec<u8>> {
     use gardenet_tests::corpus::build::{Spec, L4};
     let l4 = L4::Tcp { sport, dport, seq: 1, ack: 1, flags, window: 512, opts: vec![], payload: vec![0x61; 64] };
@@ -958,23 +961,61 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
             path: "new flow: SYN to a frontend (backend chosen, 2 conntrack entries written)",
             prog: "gn_tc_ingress",
             packet: tcp_frame(client, fe, 40000, PORT, TCP_SYN)?,
+            rewritten: true,
         },
-        PacketCase { path: "established flow: DNAT of address and port", prog: "gn_tc_ingress", packet: tcp_frame(client, fe, 40000, PORT, TCP_ACK)? },
-        PacketCase { path: "established flow: DNAT, same port", prog: "gn_tc_ingress", packet: tcp_frame(client, fe_same, 40002, SERVER_PORT, TCP_ACK)? },
-        PacketCase { path: "reply: reverse NAT of address and port", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40000, TCP_ACK)? },
-        PacketCase { path: "reply: reverse NAT, same port", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40002, TCP_ACK)? },
-        PacketCase { path: "untranslated (client -> backend address)", prog: "gn_tc_ingress", packet: tcp_frame(client, &be, 40001, SERVER_PORT, TCP_ACK)? },
-        PacketCase { path: "untranslated (backend -> client)", prog: "gn_tc_egress", packet: tcp_frame(&be, client, SERVER_PORT, 40001, TCP_ACK)? },
-        PacketCase { path: "IPv6, established flow: DNAT of address and port", prog: "gn_tc_ingress", packet: tcp_frame(client6, fe6, 40000, PORT, TCP_ACK)? },
+        PacketCase {
+            path: "established flow: DNAT of address and port",
+            prog: "gn_tc_ingress",
+            packet: tcp_frame(client, fe, 40000, PORT, TCP_ACK)?,
+            rewritten: true,
+        },
+        PacketCase {
+            path: "established flow: DNAT, same port",
+            prog: "gn_tc_ingress",
+            packet: tcp_frame(client, fe_same, 40002, SERVER_PORT, TCP_ACK)?,
+            rewritten: true,
+        },
+        PacketCase {
+            path: "reply: reverse NAT of address and port",
+            prog: "gn_tc_egress",
+            packet: tcp_frame(&be, client, SERVER_PORT, 40000, TCP_ACK)?,
+            rewritten: true,
+        },
+        PacketCase {
+            path: "reply: reverse NAT, same port",
+            prog: "gn_tc_egress",
+            packet: tcp_frame(&be, client, SERVER_PORT, 40002, TCP_ACK)?,
+            rewritten: true,
+        },
+        PacketCase {
+            path: "untranslated (client -> backend address)",
+            prog: "gn_tc_ingress",
+            packet: tcp_frame(client, &be, 40001, SERVER_PORT, TCP_ACK)?,
+            rewritten: false,
+        },
+        PacketCase {
+            path: "untranslated (backend -> client)",
+            prog: "gn_tc_egress",
+            packet: tcp_frame(&be, client, SERVER_PORT, 40001, TCP_ACK)?,
+            rewritten: false,
+        },
+        PacketCase {
+            path: "IPv6, established flow: DNAT of address and port",
+            prog: "gn_tc_ingress",
+            packet: tcp_frame(client6, fe6, 40000, PORT, TCP_ACK)?,
+            rewritten: true,
+        },
         PacketCase {
             path: "IPv6, reply: reverse NAT of address and port",
             prog: "gn_tc_egress",
             packet: tcp_frame(&be6, client6, SERVER_PORT, 40000, TCP_ACK)?,
+            rewritten: true,
         },
         PacketCase {
             path: "IPv6, untranslated (client -> backend address)",
             prog: "gn_tc_ingress",
             packet: tcp_frame(client6, &be6, 40001, SERVER_PORT, TCP_ACK)?,
+            rewritten: false,
         },
     ];
     let syn_same = tcp_frame(client, fe_same, 40002, SERVER_PORT, TCP_SYN)?;
@@ -982,6 +1023,7 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     let mut times: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
     lab.node.run_in(|| -> Result<()> {
         // As if the packets came in on the client's link (source NAT's FIB lookups use it).
+        // SAFETY: a NUL-terminated literal.
         let nc0 = unsafe { libc::if_nametoindex(c"nc0".as_ptr()) };
         let mut ctx = vec![0u8; 44];
         ctx[40..44].copy_from_slice(&nc0.to_ne_bytes()); // __sk_buff.ifindex
@@ -997,6 +1039,12 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
             };
             if r.len < dst.0 + dst.1.len() || out[dst.0..dst.0 + dst.1.len()] == dst.1[..] {
                 bail!("the SYN to {to} was not translated");
+            }
+        }
+        for c in &cases {
+            let r = run(&mut out, c)?;
+            if (out[..r.len] != c.packet[..]) != c.rewritten {
+                bail!("{}: the program {} the packet", c.path, if c.rewritten { "did not rewrite" } else { "rewrote" });
             }
         }
         // Rounds of every case in turn, so a disturbance hits all of them alike.
