@@ -489,6 +489,20 @@ impl Agent {
     }
 
     /// `gardenet-agent lb list --json` from a second process.
+    /// CPU time the agent's live threads have used so far, in ns precision (the sum of
+    /// `/proc/<pid>/task/*/schedstat`; `/proc/<pid>/stat` counts in 10 ms ticks).
+    pub fn cpu_time(&self) -> Result<Duration> {
+        let pid = self.proc.as_ref().context("agent not running")?.child.id();
+        let mut ns = 0u64;
+        for t in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
+            // A thread may exit between the listing and the read.
+            if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+                ns += schedstat_ns(&s).with_context(|| format!("parsing {}", t.path().join("schedstat").display()))?;
+            }
+        }
+        Ok(Duration::from_nanos(ns))
+    }
+
     pub fn lb_list(&self) -> Result<serde_json::Value> {
         let out = Command::new(&self.bin).args(["lb", "list", "--json", "--bpffs"]).arg(&self.bpffs).output()?;
         if !out.status.success() {
@@ -748,5 +762,22 @@ pub fn refusal_outcome(socket_lb: bool) -> &'static str {
         "PermissionDenied"
     } else {
         "ConnectionRefused"
+    }
+}
+
+/// Time on CPU (ns) from a `schedstat` line: "<on cpu ns> <waiting ns> <timeslices>".
+fn schedstat_ns(line: &str) -> Option<u64> {
+    line.split_whitespace().next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_on_cpu_from_schedstat() {
+        assert_eq!(schedstat_ns("123456789 5000 42\n"), Some(123_456_789));
+        assert_eq!(schedstat_ns(""), None);
+        assert_eq!(schedstat_ns("x 1 2"), None);
     }
 }

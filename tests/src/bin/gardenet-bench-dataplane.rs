@@ -186,6 +186,31 @@ fn wait_programmed(agent: &Agent, n: usize, t0: Instant, timeout: Duration) -> R
     }
 }
 
+/// Waits (up to 30 s) until the agent has finished what a manifest change started (reading the
+/// file, programming, freeing the old objects): less than 2% of a CPU over half a second. A
+/// cell measured while the agent still works measures the agent.
+fn wait_quiet(agent: &Agent, what: &str, res: &mut Results) -> Result<()> {
+    const WINDOW: Duration = Duration::from_millis(500);
+    let t0 = Instant::now();
+    let mut before = agent.cpu_time()?;
+    loop {
+        check_stop()?;
+        std::thread::sleep(WINDOW);
+        let now = agent.cpu_time()?;
+        let busy = now.saturating_sub(before);
+        if busy.as_secs_f64() < 0.02 * WINDOW.as_secs_f64() {
+            res.timing(format!("{what}: agent idle (< 2% CPU over {WINDOW:?}) after"), t0.elapsed());
+            return Ok(());
+        }
+        before = now;
+        if t0.elapsed() > Duration::from_secs(30) {
+            eprintln!("bench: WARNING: {what}: the agent is still busy after 30 s; measuring anyway");
+            res.timings.push((format!("{what}: agent still busy after 30 s ({busy:?} CPU in the last {WINDOW:?})"), "measured anyway".into()));
+            return Ok(());
+        }
+    }
+}
+
 /// Where a measured client connects to.
 #[derive(Clone)]
 enum Target {
@@ -351,7 +376,7 @@ fn drain_timewait(lab: &Lab, limit: u64) -> Result<()> {
     Ok(())
 }
 
-/// Sanity check, warm-up, then `runs` interleaved measured runs of every mode. With
+/// Sanity check, wait for TIME_WAIT sockets, warm-up, then `runs` interleaved measured runs of every mode. With
 /// `prog_stats`, what gardenet's programs ran during each measured run is added to its cell
 /// (run-time statistics must be on).
 fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results, prog_stats: bool) -> Result<()> {
@@ -362,9 +387,13 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results, 
         if errors > 0 || c.len() != want {
             bail!("{} with {n} services: sanity check failed (expected {want} backend(s) answering, no errors): {v}", m.row);
         }
-        tcp_run(lab, m, 300)?; // warm-up
     }
     drain_timewait(lab, 45_000)?;
+    // Warm-up right before the measured runs, not before the wait above: after seconds of
+    // idling, the first run of a cell measured ~10-35% low (2026-11-27; a small VM's vCPUs).
+    for m in modes {
+        tcp_run(lab, m, args.count.min(1000))?;
+    }
     for r in 0..args.runs {
         // Rotate the order so no mode always runs right after the same other one.
         for k in 0..modes.len() {
@@ -715,6 +744,7 @@ fn phase_socket_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         agent.write("services.yaml", &yaml)?;
         let d = wait_programmed(&agent, n, t0, Duration::from_secs(args.program_timeout_s))?;
         res.timing(format!("phase A: manifest rewritten with {n} services -> all programmed (lb list)"), d);
+        wait_quiet(&agent, &format!("phase A: {n} services"), res)?;
         let v = vip(measured(n));
         let modes =
             [Mode { row: ROW_DIRECT.into(), in_cgroup: false, target: Target::Direct }, Mode { row: ROW_SOCK.into(), in_cgroup: true, target: Target::Vip(v) }];
@@ -731,6 +761,8 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     ns.sort_unstable_by(|a, b| b.cmp(a));
     let opts = AgentOpts { tc: true, ..Default::default() };
     let t0 = Instant::now();
+    // The set the agent's manifest holds: the first one, unless that start failed.
+    let mut written = Some(ns[0]);
     let agent = match Agent::start(lab, opts.clone(), &[("services.yaml", manifests(ns[0]))]) {
         Ok(a) => {
             res.timing(format!("phase B: fresh agent start with {} services (ready)", ns[0]), t0.elapsed());
@@ -740,15 +772,20 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
             check_stop()?;
             eprintln!("bench: WARNING: fresh start with {} services failed ({e:#}); starting empty instead", ns[0]);
             res.timings.push((format!("phase B: fresh agent start with {} services", ns[0]), format!("FAILED: {e:#}").replace('\n', " ")));
+            written = None;
             Agent::start(lab, opts, &[])?
         }
     };
     for &n in &ns {
-        let yaml = manifests(n);
         let t0 = Instant::now();
-        agent.write("services.yaml", &yaml)?;
+        // Writing the set the agent started with again would only make it read the file again
+        // while the first cell is measured.
+        if written.replace(n) != Some(n) {
+            agent.write("services.yaml", &manifests(n))?;
+        }
         let d = wait_programmed(&agent, n, t0, Duration::from_secs(args.program_timeout_s))?;
         res.timing(format!("phase B: {n} services programmed (lb list)"), d);
+        wait_quiet(&agent, &format!("phase B: {n} services"), res)?;
         // "direct" from the main client would cross the programs on nc0 (and meet stale
         // conntrack entries, see `stale_ct_probe`): the control runs from the side client.
         let modes = [
@@ -923,6 +960,7 @@ fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
             }
         }
         wait_programmed(&agent, n, Instant::now(), Duration::from_secs(args.program_timeout_s))?;
+        wait_quiet(&agent, &format!("ablation, {}", a.label), res)?;
         let mut modes = vec![Mode { row: abl_row(a.label, "direct"), in_cgroup: false, target: Target::Direct }];
         if a.no_egress {
             let links = agent.bpffs.join("links");
