@@ -1224,11 +1224,28 @@ fn lat_table(out: &mut String, res: &Results, rows: &[String], ns: &[usize]) {
     });
 }
 
-fn ratio_line(o: &mut String, what: &str, a: Option<f64>, b: Option<f64>, target: f64) {
-    if let (Some(a), Some(b)) = (a, b) {
-        let r = a / b;
-        o.push_str(&format!("- {what}: {r:.2}x (target >= {target:.2}x: {})\n", if r >= target { "met" } else { "MISSED" }));
+/// "a / b: ratio of the medians (target)"; with `paired` (the two rows were measured
+/// interleaved, run i of one right beside run i of the other) also the median and range of the
+/// run-by-run ratios, which the host's drift from run to run moves less.
+fn ratio_line(o: &mut String, what: &str, res: &Results, (a, b): (&str, &str), n: usize, target: f64, paired: bool) {
+    let cell = |row: &str| res.cells.get(&(row.to_owned(), n)).filter(|c| !c.samples.is_empty());
+    let (Some(ca), Some(cb)) = (cell(a), cell(b)) else { return };
+    let r = median(&ca.samples) / median(&cb.samples);
+    let mut line = format!("- {what}, {} services: {r:.2}x (target >= {target:.2}x: {})", thousands(n as f64), if r >= target { "met" } else { "MISSED" });
+    if let Some((m, lo, hi)) = paired.then(|| paired_ratios(&ca.samples, &cb.samples)).flatten() {
+        line.push_str(&format!("; run by run {m:.2}x ({lo:.2}-{hi:.2}x)"));
     }
+    o.push_str(&line);
+    o.push('\n');
+}
+
+/// Median, min and max of a[i] / b[i] (None unless both have the same, non-zero number of runs).
+fn paired_ratios(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
+    if a.len() != b.len() || a.is_empty() {
+        return None;
+    }
+    let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+    Some((median(&r), r.iter().copied().fold(f64::INFINITY, f64::min), r.iter().copied().fold(f64::NEG_INFINITY, f64::max)))
 }
 
 fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, String)]) -> String {
@@ -1249,17 +1266,13 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     table(&mut o, res, &rows, &args.services);
     o.push('\n');
     for &n in &args.services {
-        let d = med(res, ROW_DIRECT, n);
-        ratio_line(&mut o, &format!("socket LB / direct, {} services", thousands(n as f64)), med(res, ROW_SOCK, n), d, 0.97);
-        ratio_line(&mut o, &format!("TC LB / direct, {} services", thousands(n as f64)), med(res, ROW_TC, n), d, 0.90);
-        let (tc, side) = (med(res, ROW_TC, n), med(res, CTL_DIRECT_B, n));
-        if tc.is_some() && side.is_some() {
-            ratio_line(&mut o, &format!("TC LB / direct measured beside it (phase B), {} services", thousands(n as f64)), tc, side, 0.90);
-        }
+        ratio_line(&mut o, "socket LB / direct", res, (ROW_SOCK, ROW_DIRECT), n, 0.97, true);
+        ratio_line(&mut o, "TC LB / direct", res, (ROW_TC, ROW_DIRECT), n, 0.90, false);
+        ratio_line(&mut o, "TC LB / direct measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B), n, 0.90, true);
     }
-    if args.services.contains(&10_000) {
-        if let Some(b) = backends.iter().find(|b| b.label == "nft") {
-            ratio_line(&mut o, "TC LB / iptables (nft), 10,000 services", med(res, ROW_TC, 10_000), med(res, &ipt_row(b), 10_000), 1.8);
+    if let Some(b) = backends.iter().find(|b| b.label == "nft") {
+        if args.services.contains(&10_000) {
+            ratio_line(&mut o, "TC LB / iptables (nft)", res, (ROW_TC, &ipt_row(b)), 10_000, 1.8, false);
         }
     }
     o.push_str("\n### First-reply latency of new connections (connect() to the first byte of the reply)\n\n");
@@ -1554,5 +1567,12 @@ mod tests {
         assert!((s(2_000, 0.85, 8_000) - 13.6).abs() < 1e-9);
         assert_eq!(s(10_000, 12.0, 1_000), 12.0);
         assert_eq!(s(0, 1.0, 0), 1.0);
+    }
+
+    #[test]
+    fn run_by_run_ratios() {
+        assert_eq!(paired_ratios(&[9.0, 8.0, 10.0], &[10.0, 10.0, 10.0]), Some((0.9, 0.8, 1.0)));
+        assert_eq!(paired_ratios(&[1.0], &[1.0, 2.0]), None);
+        assert_eq!(paired_ratios(&[], &[]), None);
     }
 }
