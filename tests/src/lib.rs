@@ -3,6 +3,7 @@ pub mod bpfstats;
 pub mod cases;
 pub mod corpus;
 pub mod lab;
+pub mod machine;
 pub mod netns;
 pub mod plot;
 pub mod two_nodes;

@@ -405,7 +405,7 @@ fn machine() -> String {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
     let mem = status_kib_meminfo().map(|k| format!("{:.1} GiB", k as f64 / 1024.0 / 1024.0)).unwrap_or_default();
-    format!("{cores} cores ({cpu}), {mem} RAM, Linux {kernel}")
+    format!("{cores} cores ({cpu}), {mem} RAM, Linux {kernel}; fresh memory {}", gardenet_tests::machine::fresh_memory_line())
 }
 
 fn status_kib_meminfo() -> Option<u64> {

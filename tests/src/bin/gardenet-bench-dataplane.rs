@@ -1444,6 +1444,7 @@ fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
         ("CPUs the bench and everything it starts may run on".into(), cpus_allowed()),
         ("`iptables -V` (the system default backend)".into(), cmd_output("iptables", &["-V"])),
         ("load average (1/5/15 min) at the start".into(), loadavg()),
+        ("fresh memory at the start".into(), gardenet_tests::machine::fresh_memory_line()),
         // SAFETY: getpriority(2) on this process.
         ("bench priority".into(), format!("nice {}", unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) })),
         (
