@@ -89,10 +89,12 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
     let stopped = now_ms();
     cache.terminate();
     wait_programmed(&agent, |b| b.len() == 2, "cache gone: the Service's endpoints");
+    let gone = now_ms();
     std::thread::sleep(Duration::from_millis(1000));
     let restarted = now_ms();
     let _cache = start_cache(&lab);
     wait_programmed(&agent, to_cache, "cache back");
+    let back_programmed = now_ms();
     let out = client.wait_with_output().unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let trace: Vec<(u128, String)> =
@@ -111,10 +113,13 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
         lost_after_stop
     );
     // Queries before the stop (and not in flight at it: 150 ms timeout) all went to the cache,
-    // those well after it to the endpoints, those well after the restart to the cache again.
+    // those sent once the maps held the endpoints went to them, and those sent once the maps
+    // held the cache again went to the cache. Anchored on when the maps changed, not on a
+    // fixed delay: how long the agent takes to notice depends on the machine (1.2 s for the
+    // restarted cache on 5.10 under emulation, 2026-11-27).
     assert!(trace.iter().filter(|(t, _)| *t + 200 < stopped).all(|(_, a)| a == "cache"), "{v}");
-    assert!(trace.iter().filter(|(t, _)| *t > stopped + 1000 && *t < restarted).all(|(_, a)| a.starts_with("be")), "{v}");
-    let after_restart: Vec<&String> = trace.iter().filter(|(t, _)| *t > restarted + 1000).map(|(_, a)| a).collect();
+    assert!(trace.iter().filter(|(t, _)| *t > gone + 200 && *t < restarted).all(|(_, a)| a.starts_with("be")), "{v}");
+    let after_restart: Vec<&String> = trace.iter().filter(|(t, _)| *t > back_programmed + 200).map(|(_, a)| a).collect();
     assert!(!after_restart.is_empty() && after_restart.iter().all(|a| *a == "cache"), "back on the cache after the restart: {v}");
     // The switch follows the socket's close (sock_diag destroy notification), so at most the
     // queries in flight at that moment can be lost.
