@@ -488,7 +488,6 @@ impl Agent {
         Ok(())
     }
 
-    /// `gardenet-agent lb list --json` from a second process.
     /// CPU time the agent's live threads have used so far, in ns precision (the sum of
     /// `/proc/<pid>/task/*/schedstat`; `/proc/<pid>/stat` counts in 10 ms ticks).
     pub fn cpu_time(&self) -> Result<Duration> {
@@ -503,6 +502,7 @@ impl Agent {
         Ok(Duration::from_nanos(ns))
     }
 
+    /// `gardenet-agent lb list --json` from a second process.
     pub fn lb_list(&self) -> Result<serde_json::Value> {
         let out = Command::new(&self.bin).args(["lb", "list", "--json", "--bpffs"]).arg(&self.bpffs).output()?;
         if !out.status.success() {
