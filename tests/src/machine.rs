@@ -1,7 +1,9 @@
 //! What a benchmark's figures depend on besides the code: how fast this machine gives a
-//! process fresh memory today. On a VM whose balloon reports free pages to the host, every
-//! fresh page can cost the host a fault; on 2026-11-27 that made memory-heavy work (the
-//! control-plane sync, `nft -f`) 3-7x slower than on earlier days with the same code.
+//! process fresh memory today, and how long a load from memory not in the caches takes. On a
+//! VM whose balloon reports free pages to the host, every fresh page can cost the host a fault
+//! (`nft -f` 3-7x slower on 2026-11-27 than on earlier days); work that misses the caches at
+//! random (the kernel's hash maps in a control-plane sync, conntrack per packet) moves with the
+//! latency.
 
 use std::time::Instant;
 
@@ -25,11 +27,72 @@ pub fn fresh_memory_line() -> String {
     format!("{gbps:.1} GB/s ({us:.2} µs per 4 KiB page; 256 MiB allocated and written)")
 }
 
+/// Average time in ns of one dependent load from a random cache line of a `mib` MiB buffer:
+/// a pointer chase over one random cycle through all its lines (Sattolo's shuffle), so
+/// neither the prefetcher nor out-of-order execution hides the latency. TLB misses count, as
+/// they do for a hash map of that size.
+pub fn load_latency_ns(mib: usize, loads: usize) -> f64 {
+    // One pointer per 64-byte line, so every load is a line of its own.
+    const STRIDE: usize = 64 / std::mem::size_of::<usize>();
+    let cycle = random_cycle((mib << 20) / 64);
+    let mut next = vec![0usize; cycle.len() * STRIDE];
+    for (line, to) in cycle.iter().enumerate() {
+        next[line * STRIDE] = to * STRIDE;
+    }
+    drop(cycle);
+    let mut at = 0;
+    let t0 = Instant::now();
+    for _ in 0..loads {
+        at = next[at];
+    }
+    std::hint::black_box(at);
+    t0.elapsed().as_secs_f64() * 1e9 / loads.max(1) as f64
+}
+
+/// `next[i]` for one cycle through all `n` indices in a random order (Sattolo's shuffle;
+/// xorshift, fixed seed: the same walk every run).
+fn random_cycle(n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % i as u64) as usize);
+    }
+    let mut next = vec![0; n];
+    for w in 0..n {
+        next[order[w]] = order[(w + 1) % n];
+    }
+    next
+}
+
+/// One line for a benchmark's header: "random load 196 ns (64 MiB buffer)".
+pub fn load_latency_line() -> String {
+    format!("{:.0} ns per random load from a 64 MiB buffer", load_latency_ns(64, 2_000_000))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn fresh_memory_gives_a_rate() {
         let (gbps, us) = super::fresh_memory(4);
         assert!(gbps > 0.0 && gbps.is_finite() && us > 0.0 && us.is_finite());
+    }
+
+    #[test]
+    fn the_chase_is_one_cycle_through_every_line() {
+        for n in [1, 2, 3, 1000] {
+            let next = super::random_cycle(n);
+            let (mut at, mut seen) = (0, vec![false; n]);
+            for _ in 0..n {
+                assert!(!seen[at], "index {at} visited twice in a cycle of {n}");
+                seen[at] = true;
+                at = next[at];
+            }
+            assert_eq!(at, 0);
+        }
+        let ns = super::load_latency_ns(1, 1 << 14);
+        assert!(ns > 0.0 && ns.is_finite());
     }
 }

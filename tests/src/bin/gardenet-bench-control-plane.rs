@@ -88,6 +88,11 @@ struct Args {
     /// gardenet-agent binary for the agent-process phase (default: next to this binary).
     #[arg(long)]
     agent_bin: Option<PathBuf>,
+    /// A `perf record --control fifo:PATH -D -1` control FIFO: the bench writes "enable"
+    /// before the full sync's handle() and "disable" after its flush(), so the profile holds
+    /// the sync alone.
+    #[arg(long)]
+    perf_ctl: Option<PathBuf>,
 }
 
 const NS: &str = "bench";
@@ -336,6 +341,22 @@ fn status_kib(pid: &str, field: &str) -> Option<u64> {
     s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok())
 }
 
+/// Minor page faults of the whole process so far (all threads).
+fn minor_faults() -> i64 {
+    // SAFETY: getrusage(2) fills the zeroed struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    u.ru_minflt
+}
+
+fn perf_ctl(a: &Args, profiled: bool, command: &str) {
+    if let Some(fifo) = a.perf_ctl.as_ref().filter(|_| profiled) {
+        if let Err(e) = std::fs::write(fifo, format!("{command}\n")) {
+            eprintln!("--perf-ctl {}: {e}", fifo.display());
+        }
+    }
+}
+
 fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
@@ -405,7 +426,11 @@ fn machine() -> String {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
     let mem = status_kib_meminfo().map(|k| format!("{:.1} GiB", k as f64 / 1024.0 / 1024.0)).unwrap_or_default();
-    format!("{cores} cores ({cpu}), {mem} RAM, Linux {kernel}; fresh memory {}", gardenet_tests::machine::fresh_memory_line())
+    format!(
+        "{cores} cores ({cpu}), {mem} RAM, Linux {kernel}; fresh memory {}; {}",
+        gardenet_tests::machine::fresh_memory_line(),
+        gardenet_tests::machine::load_latency_line()
+    )
 }
 
 fn status_kib_meminfo() -> Option<u64> {
@@ -429,6 +454,8 @@ struct PipeRun {
     sync_handle: Duration,
     sync_flush: Duration,
     sync_writes: u32,
+    /// Minor page faults during handle() and during flush() of the full sync.
+    sync_faults: (i64, i64),
     frontends: usize,
     backends: usize,
     change_ns: Vec<u64>,
@@ -520,14 +547,21 @@ fn run_pipeline<M: LbMaps + Dump>(a: &Args, maps: M, world: &mut World, pin_dir:
 
     // 1. Full sync.
     let mut p = Pipeline::new(maps, LbState::new(), NodeInfo { name: "node-000".into(), ..Default::default() });
+    // The profile is of the main run: over the kernel maps, or over MemMaps with --mem.
+    let profiled = pin_dir.is_some() || a.mem;
+    perf_ctl(a, profiled, "enable");
+    let f0 = minor_faults();
     let t0 = Instant::now();
     for ev in events.drain(..) {
         p.handle(ev);
     }
     p.handle(SourceEvent::Synced);
     let t1 = Instant::now();
+    let f1 = minor_faults();
     let r = p.flush();
     let t2 = Instant::now();
+    perf_ctl(a, profiled, "disable");
+    rep.sync_faults = (f1 - f0, minor_faults() - f1);
     drop(events);
     rep.sync = t2 - t0 + digest;
     rep.sync_handle = t1 - t0;
@@ -939,6 +973,10 @@ fn print_report(a: &Args, rep: &Report, load_before: &str) {
         ms(r.sync_handle),
         ms(r.sync_flush),
         r.sync_writes,
+    );
+    println!(
+        "- minor page faults during the full sync (fresh memory the process touched): {} in handling, {} in the first `flush()`",
+        r.sync_faults.0, r.sync_faults.1
     );
     println!("- building the {} k8s-openapi objects (outside the clock; each is dropped once digested): {:.0} ms", 2 * a.services, ms(r.gen));
     println!(

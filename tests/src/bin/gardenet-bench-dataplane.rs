@@ -1445,6 +1445,7 @@ fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
         ("`iptables -V` (the system default backend)".into(), cmd_output("iptables", &["-V"])),
         ("load average (1/5/15 min) at the start".into(), loadavg()),
         ("fresh memory at the start".into(), gardenet_tests::machine::fresh_memory_line()),
+        ("memory latency at the start".into(), gardenet_tests::machine::load_latency_line()),
         // SAFETY: getpriority(2) on this process.
         ("bench priority".into(), format!("nice {}", unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) })),
         (
