@@ -1257,6 +1257,17 @@ fn ratio_line(o: &mut String, what: &str, res: &Results, (a, b): (&str, &str), n
     let mut line = format!("- {what}, {} services: {r:.2}x (target >= {target:.2}x: {})", thousands(n as f64), if r >= target { "met" } else { "MISSED" });
     if let Some((m, lo, hi)) = paired.then(|| paired_ratios(&ca.samples, &cb.samples)).flatten() {
         line.push_str(&format!("; run by run {m:.2}x ({lo:.2}-{hi:.2}x)"));
+        let r: Vec<f64> = ca.samples.iter().zip(&cb.samples).map(|(x, y)| x / y).collect();
+        if let Some((lo, hi, cover)) = median_interval(&r, 0.9) {
+            let verdict = if lo >= target {
+                "met"
+            } else if hi < target {
+                "MISSED"
+            } else {
+                "undecided: more runs or a calmer host"
+            };
+            line.push_str(&format!("; its median lies in {lo:.2}-{hi:.2}x with {:.0}% confidence: {verdict}", cover * 100.0));
+        }
     }
     o.push_str(&line);
     o.push('\n');
@@ -1269,6 +1280,31 @@ fn paired_ratios(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
     }
     let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
     Some((median(&r), r.iter().copied().fold(f64::INFINITY, f64::min), r.iter().copied().fold(f64::NEG_INFINITY, f64::max)))
+}
+
+/// A distribution-free confidence interval for the median of `v`: the pair of order statistics
+/// (k-th smallest, k-th largest) with the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k),
+/// is at least `min_coverage`; with that coverage. None when even the whole range falls short
+/// (fewer than 5 values for 90%). Assumes the values are independent draws, which paired runs
+/// taken alternately are as near as this host allows.
+fn median_interval(v: &[f64], min_coverage: f64) -> Option<(f64, f64, f64)> {
+    let n = v.len();
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    // P(Binomial(n, 1/2) <= i) for i = 0, 1, ...
+    let mut tail = 0.0;
+    let mut choose = 1.0;
+    let mut best = None;
+    for k in 1..=n / 2 {
+        tail += choose / 2f64.powi(n as i32);
+        choose = choose * (n - (k - 1)) as f64 / k as f64;
+        let cover = 1.0 - 2.0 * tail;
+        if cover < min_coverage {
+            break;
+        }
+        best = Some((s[k - 1], s[n - k], cover));
+    }
+    best
 }
 
 fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, String)]) -> String {
@@ -1608,5 +1644,20 @@ mod tests {
         assert_eq!(paired_ratios(&[9.0, 8.0, 10.0], &[10.0, 10.0, 10.0]), Some((0.9, 0.8, 1.0)));
         assert_eq!(paired_ratios(&[1.0], &[1.0, 2.0]), None);
         assert_eq!(paired_ratios(&[], &[]), None);
+    }
+
+    #[test]
+    fn median_interval_from_order_statistics() {
+        // n = 5: only the whole range reaches 90% (1 - 2/32 = 93.75%).
+        let (lo, hi, c) = median_interval(&[0.95, 0.82, 1.10, 0.91, 0.88], 0.9).unwrap();
+        assert_eq!((lo, hi), (0.82, 1.10));
+        assert!((c - 0.9375).abs() < 1e-12);
+        // n = 4 cannot reach 90%: 1 - 2/16.
+        assert_eq!(median_interval(&[1.0, 2.0, 3.0, 4.0], 0.9), None);
+        // n = 10: k = 2 covers 1 - 2 * 11/1024 = 97.9%, k = 3 1 - 2 * 56/1024 = 89.1%.
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        let (lo, hi, c) = median_interval(&v, 0.9).unwrap();
+        assert_eq!((lo, hi), (2.0, 9.0));
+        assert!((c - (1.0 - 22.0 / 1024.0)).abs() < 1e-12);
     }
 }
