@@ -1255,9 +1255,9 @@ fn ratio_line(o: &mut String, what: &str, res: &Results, (a, b): (&str, &str), n
     let (Some(ca), Some(cb)) = (cell(a), cell(b)) else { return };
     let r = median(&ca.samples) / median(&cb.samples);
     let mut line = format!("- {what}, {} services: {r:.2}x (target >= {target:.2}x: {})", thousands(n as f64), if r >= target { "met" } else { "MISSED" });
-    if let Some((m, lo, hi)) = paired.then(|| paired_ratios(&ca.samples, &cb.samples)).flatten() {
+    if let Some(r) = paired.then(|| run_by_run(&ca.samples, &cb.samples)).flatten() {
+        let (m, lo, hi) = median_min_max(&r);
         line.push_str(&format!("; run by run {m:.2}x ({lo:.2}-{hi:.2}x)"));
-        let r: Vec<f64> = ca.samples.iter().zip(&cb.samples).map(|(x, y)| x / y).collect();
         if let Some((lo, hi, cover)) = median_interval(&r, 0.9) {
             let verdict = if lo >= target {
                 "met"
@@ -1273,13 +1273,13 @@ fn ratio_line(o: &mut String, what: &str, res: &Results, (a, b): (&str, &str), n
     o.push('\n');
 }
 
-/// Median, min and max of a[i] / b[i] (None unless both have the same, non-zero number of runs).
-fn paired_ratios(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
-    if a.len() != b.len() || a.is_empty() {
-        return None;
-    }
-    let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
-    Some((median(&r), r.iter().copied().fold(f64::INFINITY, f64::min), r.iter().copied().fold(f64::NEG_INFINITY, f64::max)))
+/// a[i] / b[i] (None unless both have the same, non-zero number of runs).
+fn run_by_run(a: &[f64], b: &[f64]) -> Option<Vec<f64>> {
+    (a.len() == b.len() && !a.is_empty()).then(|| a.iter().zip(b).map(|(x, y)| x / y).collect())
+}
+
+fn median_min_max(r: &[f64]) -> (f64, f64, f64) {
+    (median(r), r.iter().copied().fold(f64::INFINITY, f64::min), r.iter().copied().fold(f64::NEG_INFINITY, f64::max))
 }
 
 /// A distribution-free confidence interval for the median of `v`: the pair of order statistics
@@ -1641,9 +1641,10 @@ mod tests {
 
     #[test]
     fn run_by_run_ratios() {
-        assert_eq!(paired_ratios(&[9.0, 8.0, 10.0], &[10.0, 10.0, 10.0]), Some((0.9, 0.8, 1.0)));
-        assert_eq!(paired_ratios(&[1.0], &[1.0, 2.0]), None);
-        assert_eq!(paired_ratios(&[], &[]), None);
+        let r = run_by_run(&[9.0, 8.0, 10.0], &[10.0, 10.0, 10.0]).unwrap();
+        assert_eq!(median_min_max(&r), (0.9, 0.8, 1.0));
+        assert_eq!(run_by_run(&[1.0], &[1.0, 2.0]), None);
+        assert_eq!(run_by_run(&[], &[]), None);
     }
 
     #[test]
