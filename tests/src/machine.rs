@@ -28,8 +28,8 @@ pub fn fresh_memory_line() -> String {
 }
 
 /// Average time in ns of one dependent load from a random cache line of a `mib` MiB buffer:
-/// a pointer chase over one random cycle through all its lines (Sattolo's shuffle), so
-/// neither the prefetcher nor out-of-order execution hides the latency. TLB misses count, as
+/// a pointer chase over one cycle through all its lines in a random order, so neither the
+/// prefetcher nor out-of-order execution hides the latency. TLB misses count, as
 /// they do for a hash map of that size.
 pub fn load_latency_ns(mib: usize, loads: usize) -> f64 {
     // One pointer per 64-byte line, so every load is a line of its own.
@@ -49,8 +49,8 @@ pub fn load_latency_ns(mib: usize, loads: usize) -> f64 {
     t0.elapsed().as_secs_f64() * 1e9 / loads.max(1) as f64
 }
 
-/// `next[i]` for one cycle through all `n` indices in a random order (Sattolo's shuffle;
-/// xorshift, fixed seed: the same walk every run).
+/// `next[i]` for one cycle through all `n` indices: shuffled (xorshift, fixed seed: the same
+/// walk every run), then each index linked to the one after it, the last to the first.
 fn random_cycle(n: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
