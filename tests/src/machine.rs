@@ -7,6 +7,12 @@
 
 use std::time::Instant;
 
+/// The 1, 5 and 15 minute load averages, "0.65 1.18 1.16": other work on the machine skews
+/// the numbers, so the reports show the load around a run.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+}
+
 /// Allocates and writes `mib` MiB of fresh memory (each page faulted in once) and returns the
 /// rate in GB/s, with the time per 4 KiB page in µs.
 pub fn fresh_memory(mib: usize) -> (f64, f64) {

@@ -438,10 +438,6 @@ fn status_kib_meminfo() -> Option<u64> {
     s.lines().find(|l| l.starts_with("MemTotal:"))?.split_whitespace().nth(1)?.parse().ok()
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
-}
-
 // ---------------------------------------------------------------------------------------------
 // The run
 
@@ -823,7 +819,7 @@ fn main() -> Result<()> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
     anyhow::ensure!(a.services > 0 && a.services <= 60_000, "--services must be 1..=60000 (VIP range)");
-    let load_before = loadavg();
+    let load_before = gardenet_tests::machine::loadavg();
     let mut rep = Report { rss_start_kib: status_kib("self", "VmRSS:").unwrap_or(0), ..Default::default() };
 
     let mut world = World::new(a.services, a.endpoints);
@@ -918,7 +914,7 @@ fn print_report(a: &Args, rep: &Report, load_before: &str) {
     } else {
         println!("Objects: as the EndpointSlice controller writes them (uid, resourceVersion, labels, selector; endpoints with conditions, nodeName, zone, targetRef), without managedFields (the kube source drops those).");
     }
-    println!("Machine: {}; load average {} before, {} after.\n", machine(), load_before, loadavg());
+    println!("Machine: {}; load average {} before, {} after.\n", machine(), load_before, gardenet_tests::machine::loadavg());
 
     println!("| metric | value | target | met? |");
     println!("|---|---|---|---|");

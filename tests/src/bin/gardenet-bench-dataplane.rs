@@ -1479,7 +1479,7 @@ fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
         ("CPUs".into(), format!("{cpus} ({model})")),
         ("CPUs the bench and everything it starts may run on".into(), cpus_allowed()),
         ("`iptables -V` (the system default backend)".into(), cmd_output("iptables", &["-V"])),
-        ("load average (1/5/15 min) at the start".into(), loadavg()),
+        ("load average (1/5/15 min) at the start".into(), gardenet_tests::machine::loadavg()),
         ("fresh memory at the start".into(), gardenet_tests::machine::fresh_memory_line()),
         ("memory latency at the start".into(), gardenet_tests::machine::load_latency_line()),
         // SAFETY: getpriority(2) on this process.
@@ -1495,11 +1495,6 @@ fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
         v.push((format!("measured iptables-{}", b.label), cmd_output(b.cli, &["-V"])));
     }
     v
-}
-
-/// Other work on the machine skews the numbers: the report shows the load around the run.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
 }
 
 /// Writes the results as JSON and renders the plot next to it.
@@ -1598,7 +1593,7 @@ fn main() -> Result<()> {
         Ok(())
     })();
     let mut env = env;
-    env.push(("load average (1/5/15 min) at the end".into(), loadavg()));
+    env.push(("load average (1/5/15 min) at the end".into(), gardenet_tests::machine::loadavg()));
     env.push(("wall time".into(), format!("{:.0} s", t0.elapsed().as_secs_f64())));
     let table = report(&res, &args, &backends, &env);
     println!("{table}");
