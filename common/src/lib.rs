@@ -131,6 +131,12 @@ pub const CT_DIR_SNAT_FWD: u8 = 2;
 pub const CT_DIR_SNAT_REPLY: u8 = 3;
 /// `CtValue4/6::flags` of a forward entry whose flow is also source-NATed.
 pub const CT_FLAG_SNAT: u16 = 1;
+/// `CtValue4/6::flags` of a forward or reply entry: a TCP FIN, or RST, passed in the entry's
+/// direction (`last_seen_ns` then holds when it was first seen). A FIN both ways or a RST
+/// either way closes the flow; the agent's conntrack scan removes its entries a while later
+/// (`--conntrack-closed-secs`) instead of leaving them until the LRU evicts them.
+pub const CT_FLAG_FIN: u16 = 2;
+pub const CT_FLAG_RST: u16 = 4;
 /// Ports used for source NAT: above the default ephemeral range (32768-60999) and the
 /// NodePort range, so they do not collide with the node's own connections.
 pub const SNAT_PORT_MIN: u16 = 61_000;
@@ -278,7 +284,8 @@ pub struct CtValue4 {
     /// `bpf_ktime_get_ns()` when the entry was made. Source-NAT entries (`CT_DIR_SNAT_*` and
     /// forward entries flagged `CT_FLAG_SNAT`): of the last packet that used it, at most a
     /// second old, since a source-NAT port is reused by idle time; other entries are not
-    /// updated per packet (nothing reads their time, and a clock read per packet costs).
+    /// updated per packet (a clock read per packet costs), only when they are first marked
+    /// `CT_FLAG_FIN` or `CT_FLAG_RST`: then it is the time of the close.
     pub last_seen_ns: u64,
 }
 

@@ -24,7 +24,7 @@ use network_types::{eth::EtherType, tcp::TcpHdr, udp::UdpHdr};
 
 use crate::{
     family::{Family, V4, V6},
-    headers::{ether_type, linear, Bytes, Flow, IP6_MAX_EXT},
+    headers::{ether_type, linear, Bytes, Flow, IP6_MAX_EXT, TCP_FLAG_FIN, TCP_FLAG_RST},
     select_backend_affine, service_net, stat,
 };
 
@@ -162,6 +162,7 @@ fn ingress<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
                 return Some(snat::established(ctx, f, addr, port, now));
             }
             l4::dnat(ctx, f, addr, port)?;
+            note_close::<F>(ct, f.tcp_flags);
             stat(Stat::TcDnat);
             return Some(PASS);
         }
@@ -223,9 +224,10 @@ fn ingress<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
 /// Source NAT of a backend's reply back to the frontend the client used.
 #[inline(always)]
 fn rev_nat<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
-    let ct = unsafe { F::conntrack().get(&f.ct_key(CT_DIR_REPLY))? };
+    let ct = unsafe { &mut *F::conntrack().get_ptr_mut(&f.ct_key(CT_DIR_REPLY))? };
     let (addr, port, _) = F::ct_target(ct);
     l4::snat(ctx, f, addr, port)?;
+    note_close::<F>(ct, f.tcp_flags);
     stat(Stat::TcRevNat);
     Some(PASS)
 }
@@ -266,6 +268,22 @@ fn ct_insert<K, V>(map: &LruHashMap<K, V>, key: &K, val: &V) -> Option<()> {
         return None;
     }
     Some(())
+}
+
+/// Marks a translated flow's entry with a FIN or RST that passed in its direction, and when,
+/// so the agent can remove closed flows. Stores only on the packets that close (and once per
+/// kind): the entry's cache line is not written per packet. UDP has no flags here (0).
+#[inline(always)]
+fn note_close<F: L3>(ct: &mut F::CtValue, tcp_flags: u8) {
+    let close = if tcp_flags & TCP_FLAG_FIN != 0 { CT_FLAG_FIN } else { 0 } | if tcp_flags & TCP_FLAG_RST != 0 { CT_FLAG_RST } else { 0 };
+    if close == 0 {
+        return;
+    }
+    let (closed_at, flags) = F::ct_marks(ct);
+    if *flags & close != close {
+        *flags |= close;
+        *closed_at = unsafe { bpf_ktime_get_ns() };
+    }
 }
 
 /// Records that a conntrack entry was used at `now`, at most once a second: a store on every
