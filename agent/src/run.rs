@@ -112,6 +112,11 @@ pub struct RunArgs {
     /// How often the conntrack map is counted (its fill metric and pressure), in seconds.
     #[arg(long, default_value_t = 30)]
     pub conntrack_scan_secs: u64,
+    /// How long the conntrack entries of a closed TCP flow (a FIN both ways or a RST) are
+    /// kept before that scan removes them, in seconds (late retransmissions and the last ACK
+    /// still find them); 0 leaves closed flows to the LRU.
+    #[arg(long, default_value_t = 10)]
+    pub conntrack_closed_secs: u64,
     /// The node's `/proc` (a hostPath mount in the DaemonSet): pods' network namespaces are
     /// found there when connected UDP sockets to a departed backend must be terminated.
     #[arg(long, default_value = "/proc")]
@@ -380,7 +385,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let mut conntrack_tick = tokio::time::interval(Duration::from_secs(args.conntrack_scan_secs.max(1)));
-    let (ct_tx, mut ct_rx) = tokio::sync::mpsc::channel::<Vec<Fill>>(1);
+    let (ct_tx, mut ct_rx) = tokio::sync::mpsc::channel::<dataplane::ctgc::Scan>(1);
+    let closed_hold = (args.conntrack_closed_secs > 0).then(|| Duration::from_secs(args.conntrack_closed_secs));
     state.beat();
     let mut agent = Agent {
         bpffs: args.bpffs.clone(),
@@ -424,15 +430,17 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             _ = tick.tick() => agent.on_tick(),
             _ = conntrack_tick.tick() => {
-                // Walks the conntrack maps: off the run loop; the fills come back below.
+                // Walks the conntrack maps (counts them, removes closed flows): off the run
+                // loop; the result comes back below.
                 let (bpffs, ct_tx) = (agent.bpffs.clone(), ct_tx.clone());
-                tokio::task::spawn_blocking(move || {
-                    if let Ok(fills) = dataplane::conntrack_fill(&bpffs) {
-                        let _ = ct_tx.try_send(fills);
+                tokio::task::spawn_blocking(move || match dataplane::ctgc::scan(&bpffs, closed_hold) {
+                    Ok(scan) => {
+                        let _ = ct_tx.try_send(scan);
                     }
+                    Err(e) => tracing::warn!("conntrack scan: {e:#}"),
                 });
             }
-            Some(ct) = ct_rx.recv() => agent.on_conntrack_fills(ct),
+            Some(scan) = ct_rx.recv() => agent.on_conntrack_scan(scan),
             _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted, exiting"); break }
             _ = sigterm.recv() => { tracing::info!("terminated, exiting"); break }
         }
@@ -578,9 +586,13 @@ impl Agent {
         }
     }
 
-    fn on_conntrack_fills(&mut self, ct: Vec<Fill>) {
-        self.metrics.set_conntrack_entries(ct.iter().map(|f| f.entries).sum());
-        for fill in ct {
+    fn on_conntrack_scan(&mut self, scan: dataplane::ctgc::Scan) {
+        if scan.removed_flows > 0 {
+            tracing::debug!("removed {} closed flows from conntrack", scan.removed_flows);
+        }
+        self.metrics.add_conntrack_closed_removed(scan.removed_flows);
+        self.metrics.set_conntrack_entries(scan.fills.iter().map(|f| f.entries).sum());
+        for fill in scan.fills {
             note_fill(&mut self.fills, fill, &self.metrics, &self.state, self.problem_events.as_ref());
         }
     }

@@ -1,5 +1,6 @@
 //! Loads the embedded eBPF object, pins its maps, attaches socket LB to a cgroup2 directory
 //! and TC LB to interfaces, and gives the map writer typed access to the maps.
+pub mod ctgc;
 pub mod features;
 pub mod layout;
 pub mod lbmap;
@@ -25,6 +26,7 @@ use aya::{
 use gardenet_common::*;
 
 use crate::{
+    dataplane::ctgc::CtValue,
     dataplane::features::KernelFeatures,
     dataplane::lbmap::{one_by_one, Addr, Batch, BatchError, Elems, Entry, Key, LbMaps, MapDump, MapError, MapKind, MapWrite, RangeKey, ServiceNet, Write},
     desired::Cidr,
@@ -846,28 +848,6 @@ pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::desired::Frontend, crate
 /// (frontend address, port, protocol, backend address, port), host byte order.
 type FlowId = (std::net::IpAddr, u16, u8, std::net::IpAddr, u16);
 
-/// A conntrack value of either family, as `purge_conntrack` reads it.
-trait CtValue: Pod {
-    type Addr: Addr;
-    /// Address, port and flags: the backend of a forward entry, the source-NAT address of a
-    /// source-NAT one.
-    fn parts(&self) -> (Self::Addr, u16, u16);
-}
-
-impl CtValue for CtValue4 {
-    type Addr = u32;
-    fn parts(&self) -> (u32, u16, u16) {
-        (self.addr, self.port, self.flags)
-    }
-}
-
-impl CtValue for CtValue6 {
-    type Addr = Ip6;
-    fn parts(&self) -> (Ip6, u16, u16) {
-        (self.addr, self.port, self.flags)
-    }
-}
-
 /// `purge_conntrack` for one family's map.
 fn purge_family<V: CtValue>(ct: &mut BpfHashMap<MapData, CtKey<V::Addr>, V>, wanted: &HashSet<FlowId>) -> usize
 where
@@ -899,8 +879,6 @@ where
     purged
 }
 
-/// Number of entries in the pinned conntrack map (for `lb list` and metrics).
-/// Capacity of the conntrack maps (both families), as created.
 /// Fill of each family's conntrack map (`conntrack_ipv4`, and `conntrack_ipv6` where it is
 /// pinned). Walks the maps: keep it off the run loop.
 pub fn conntrack_fill(pin_dir: &Path) -> Result<Vec<crate::dataplane::mapfill::Fill>> {

@@ -123,6 +123,7 @@ pub struct Metrics {
     map_capacity: Family<MapLabel, Gauge>,
     map_pressure: Family<MapLabel, Gauge>,
     conntrack_entries: Gauge,
+    conntrack_closed_removed: Counter,
     interface_attached: Family<InterfaceLabel, Gauge>,
     errors: Family<KindLabel, Counter>,
     map_writes: Family<OpLabel, Counter>,
@@ -158,6 +159,7 @@ impl Metrics {
             map_capacity: Family::default(),
             map_pressure: Family::default(),
             conntrack_entries: Gauge::default(),
+            conntrack_closed_removed: Counter::default(),
             interface_attached: Family::default(),
             errors: Family::default(),
             map_writes: Family::default(),
@@ -180,6 +182,11 @@ impl Metrics {
         r.register("gardenet_map_capacity", "Capacity (max entries) of a BPF map", m.map_capacity.clone());
         r.register("gardenet_map_pressure", "1 while a BPF map is at least 90% full (reported before it overflows)", m.map_pressure.clone());
         r.register("gardenet_conntrack_entries", "Entries in the datapath's connection tracking map", m.conntrack_entries.clone());
+        r.register(
+            "gardenet_conntrack_closed_flows_removed",
+            "Closed TCP flows (FIN both ways or RST) whose conntrack entries the agent removed",
+            m.conntrack_closed_removed.clone(),
+        );
         r.register("gardenet_interface_attached", "1 if the TC load balancer is attached to the interface", m.interface_attached.clone());
         r.register("gardenet_errors", "Errors by kind", m.errors.clone());
         r.register("gardenet_kernel_feature", "Kernel facilities the datapath uses: 1 present, 0 absent (a fallback is in use)", m.kernel_features.clone());
@@ -278,6 +285,10 @@ impl Metrics {
         self.conntrack_entries.set(gauge_value(entries));
     }
 
+    pub fn add_conntrack_closed_removed(&self, flows: usize) {
+        self.conntrack_closed_removed.inc_by(flows as u64);
+    }
+
     pub fn set_interface(&self, interface: &str, attached: bool) {
         self.interface_attached.get_or_create(&InterfaceLabel { interface: interface.to_owned() }).set(i64::from(attached));
         self.known_interfaces().insert(interface.to_owned());
@@ -361,6 +372,7 @@ mod tests {
         m.set_map_fill(&crate::dataplane::mapfill::Fill { map: "services", entries: 10, capacity: 65536 });
         m.set_map_fill(&crate::dataplane::mapfill::Fill { map: "conntrack", entries: 950, capacity: 1000 });
         m.set_conntrack_entries(9);
+        m.add_conntrack_closed_removed(4);
         m.set_interface("eth0", true);
         m.set_interface("eth1", false);
         m.set_local_redirect("kube-system/kube-dns", crate::desired::Proto::Udp, 53, true);
@@ -377,6 +389,7 @@ mod tests {
             "gardenet_map_pressure{map=\"services\"} 0",
             "gardenet_map_pressure{map=\"conntrack\"} 1",
             "gardenet_conntrack_entries 9",
+            "gardenet_conntrack_closed_flows_removed_total 4",
             "gardenet_interface_attached{interface=\"eth0\"} 1",
             "gardenet_interface_attached{interface=\"eth1\"} 0",
             "gardenet_local_redirect_active{service=\"kube-system/kube-dns\",protocol=\"udp\",port=\"53\"} 1",

@@ -1,0 +1,334 @@
+//! Removal of closed TCP flows from the conntrack maps.
+//!
+//! The TC programs mark a translated flow's forward and reply entries when a FIN or RST
+//! passes in their direction (`CT_FLAG_FIN`, `CT_FLAG_RST`, with the time of the close in
+//! `last_seen_ns`), and a source-NAT port's reply entry as closing (`CT_FLAG_SNAT` there).
+//! The agent's periodic conntrack scan ([`scan`]) removes flows closed for longer than the
+//! hold time: a FIN both ways or a RST either way (as Cilium's close timeout). Half-closed
+//! and idle flows stay. Without this, closed flows stayed until the LRU evicted them: the map
+//! filled with dead flows, its pressure report became a false alarm, and the LRU evicted
+//! long-idle live flows before recently closed ones.
+//!
+//! The decision ([`closed_flows`]) is pure; [`scan`] reads the maps, decides, and deletes a
+//! flow only if its entries still hold the values it was judged by (a new SYN on the same
+//! 4-tuple rewrites them). Between that re-read and the delete there is no compare-and-delete
+//! for hash maps: a SYN on exactly that 4-tuple in those microseconds loses its entries and is
+//! balanced afresh on its next packet.
+use std::{
+    collections::{HashMap, HashSet},
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::Result;
+use aya::{
+    maps::{HashMap as BpfHashMap, Map, MapData},
+    Pod,
+};
+use gardenet_common::*;
+
+use crate::dataplane::{lbmap::Addr, mapfill::Fill};
+
+/// A conntrack value of either family.
+pub(crate) trait CtValue: Pod {
+    type Addr: Addr;
+    /// Address, port and flags: the backend of a forward entry, the frontend of a reply one,
+    /// the source-NAT address of a source-NAT forward one, the client of a source-NAT reply.
+    fn parts(&self) -> (Self::Addr, u16, u16);
+    fn last_seen_ns(&self) -> u64;
+}
+
+impl CtValue for CtValue4 {
+    type Addr = u32;
+    fn parts(&self) -> (u32, u16, u16) {
+        (self.addr, self.port, self.flags)
+    }
+    fn last_seen_ns(&self) -> u64 {
+        self.last_seen_ns
+    }
+}
+
+impl CtValue for CtValue6 {
+    type Addr = Ip6;
+    fn parts(&self) -> (Ip6, u16, u16) {
+        (self.addr, self.port, self.flags)
+    }
+    fn last_seen_ns(&self) -> u64 {
+        self.last_seen_ns
+    }
+}
+
+/// A conntrack entry's value, whichever family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ct<A> {
+    pub addr: A,
+    pub port: u16,
+    pub flags: u16,
+    pub last_seen_ns: u64,
+}
+
+impl<A> Ct<A> {
+    fn closed(&self) -> bool {
+        self.flags & (CT_FLAG_FIN | CT_FLAG_RST) != 0
+    }
+}
+
+fn ct_of<V: CtValue>(v: &V) -> Ct<V::Addr> {
+    let (addr, port, flags) = v.parts();
+    Ct { addr, port, flags, last_seen_ns: v.last_seen_ns() }
+}
+
+fn key<A>(saddr: A, daddr: A, sport: u16, dport: u16, proto: u8, dir: u8) -> CtKey<A> {
+    CtKey { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
+}
+
+/// The entries of one flow that may be removed, with the values they were judged by.
+pub type Flow<A> = Vec<(CtKey<A>, Ct<A>)>;
+
+/// Whether an entry may take part in the scan's decision: a forward or reply entry with a
+/// FIN or RST, or a closing source-NAT port. Only these are kept from the walk.
+pub fn marked<A>(k: &CtKey<A>, v: &Ct<A>) -> bool {
+    match k.dir {
+        CT_DIR_FORWARD => v.flags & CT_FLAG_SNAT == 0 && v.closed(),
+        CT_DIR_REPLY => v.closed(),
+        CT_DIR_SNAT_REPLY => v.flags & CT_FLAG_SNAT != 0,
+        _ => false,
+    }
+}
+
+/// The flows among the `marked` entries that are closed and have been for at least `hold`
+/// at `now_ns` (`bpf_ktime_get_ns`'s clock); `lookup` reads entries that were not marked.
+pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
+    marked: &[(CtKey<A>, Ct<A>)],
+    lookup: impl Fn(&CtKey<A>) -> Option<Ct<A>>,
+    now_ns: u64,
+    hold: Duration,
+) -> Vec<Flow<A>> {
+    let hold_ns = hold.as_nanos() as u64;
+    let known: HashMap<CtKey<A>, Ct<A>> = marked.iter().copied().collect();
+    let get = |k: &CtKey<A>| known.get(k).copied().or_else(|| lookup(k));
+    let old = |t: u64| now_ns.saturating_sub(t) >= hold_ns;
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for &(k, v) in marked {
+        match k.dir {
+            CT_DIR_FORWARD | CT_DIR_REPLY => {
+                // The pair, named by its forward key: a forward entry points at the backend
+                // (whose reply entry points back at the frontend), a reply entry the other way.
+                let (fkey, rkey) = if k.dir == CT_DIR_FORWARD {
+                    (k, key(v.addr, k.saddr, v.port, k.sport, k.proto, CT_DIR_REPLY))
+                } else {
+                    (key(k.daddr, v.addr, k.dport, v.port, k.proto, CT_DIR_FORWARD), k)
+                };
+                if !seen.insert(fkey) {
+                    continue;
+                }
+                let fwd = get(&fkey);
+                if fwd.is_some_and(|f| f.flags & CT_FLAG_SNAT != 0) {
+                    continue; // a source-NATed flow: its port's entry decides (below)
+                }
+                // A partner that points elsewhere belongs to another flow.
+                let fwd = fwd.filter(|f| (f.addr, f.port) == (rkey.saddr, rkey.sport));
+                let rep = get(&rkey).filter(|r| (r.addr, r.port) == (fkey.daddr, fkey.dport));
+                let rst = fwd.is_some_and(|f| f.flags & CT_FLAG_RST != 0) || rep.is_some_and(|r| r.flags & CT_FLAG_RST != 0);
+                // Each direction's FIN; a direction whose entry is gone cannot carry the flow.
+                let fin = |e: Option<Ct<A>>| e.is_none_or(|e| e.flags & CT_FLAG_FIN != 0);
+                let closed_at = fwd.iter().chain(rep.iter()).map(|e| e.last_seen_ns).max().unwrap_or(0);
+                if (rst || (fin(fwd) && fin(rep))) && old(closed_at) {
+                    out.push(fwd.map(|f| (fkey, f)).into_iter().chain(rep.map(|r| (rkey, r))).collect());
+                }
+            }
+            CT_DIR_SNAT_REPLY if old(v.last_seen_ns) => {
+                // A closing source-NAT port idle for `hold` (the programs would give it to a
+                // new flow by now), and the flow it belongs to: reply, forward, forward source
+                // NAT, each only if it still points along the chain.
+                let mut flow = vec![(k, v)];
+                let (be, be_port, client, client_port) = (k.saddr, k.sport, v.addr, v.port);
+                let rkey = key(be, client, be_port, client_port, k.proto, CT_DIR_REPLY);
+                if let Some(r) = get(&rkey) {
+                    let fkey = key(client, r.addr, client_port, r.port, k.proto, CT_DIR_FORWARD);
+                    let skey = key(client, be, client_port, be_port, k.proto, CT_DIR_SNAT_FWD);
+                    let s = get(&skey).filter(|s| (s.addr, s.port) == (k.daddr, k.dport));
+                    let f = get(&fkey).filter(|f| f.flags & CT_FLAG_SNAT != 0 && (f.addr, f.port) == (be, be_port));
+                    if let (Some(s), Some(f)) = (s, f) {
+                        flow.extend([(rkey, r), (fkey, f), (skey, s)]);
+                    }
+                }
+                out.push(flow);
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// One walk of the conntrack maps: their fill, and the closed flows removed.
+#[derive(Debug, Default)]
+pub struct Scan {
+    pub fills: Vec<Fill>,
+    pub removed_flows: usize,
+}
+
+/// Counts each family's conntrack map and, with `hold`, removes the flows closed for longer.
+/// Walks the maps: call it off the run loop.
+pub fn scan(pin_dir: &Path, hold: Option<Duration>) -> Result<Scan> {
+    let mut out = Scan::default();
+    let now = monotonic_ns();
+    let (fill, removed) = scan_family::<CtValue4>(&pin_dir.join(MAP_CT), "conntrack_ipv4", hold, now)?;
+    out.fills.push(fill);
+    out.removed_flows += removed;
+    if pin_dir.join(MAP_CT6).exists() {
+        let (fill, removed) = scan_family::<CtValue6>(&pin_dir.join(MAP_CT6), "conntrack_ipv6", hold, now)?;
+        out.fills.push(fill);
+        out.removed_flows += removed;
+    }
+    Ok(out)
+}
+
+fn scan_family<V: CtValue>(pin: &Path, name: &'static str, hold: Option<Duration>, now: u64) -> Result<(Fill, usize)>
+where
+    CtKey<V::Addr>: Pod + std::hash::Hash,
+{
+    let data = MapData::from_pin(pin)?;
+    let capacity = data.info()?.max_entries() as usize;
+    let mut ct: BpfHashMap<MapData, CtKey<V::Addr>, V> = BpfHashMap::try_from(Map::LruHashMap(data))?;
+    let Some(hold) = hold else {
+        let entries = ct.keys().filter(|k| k.is_ok()).count();
+        return Ok((Fill { map: name, entries, capacity }, 0));
+    };
+    let mut entries = 0usize;
+    let mut found = Vec::new();
+    for (k, v) in ct.iter().filter_map(|r| r.ok()) {
+        entries += 1;
+        let v = ct_of(&v);
+        if marked(&k, &v) {
+            found.push((k, v));
+        }
+    }
+    let flows = closed_flows(&found, |k| ct.get(k, 0).ok().map(|v| ct_of(&v)), now, hold);
+    let (mut removed, mut removed_entries) = (0, 0);
+    for flow in flows {
+        // Only as judged: a new flow on the same 4-tuple has rewritten its entries.
+        if flow.iter().all(|(k, v)| ct.get(k, 0).ok().map(|x| ct_of(&x)) == Some(*v)) {
+            removed_entries += flow.iter().filter(|(k, _)| ct.remove(k).is_ok()).count();
+            removed += 1;
+        }
+    }
+    Ok((Fill { map: name, entries: entries.saturating_sub(removed_entries), capacity }, removed))
+}
+
+/// `bpf_ktime_get_ns()`'s clock (CLOCK_MONOTONIC) in nanoseconds.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid clock id and a valid out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOLD: Duration = Duration::from_secs(10);
+    const S: u64 = 1_000_000_000;
+    // Client 10.0.0.1:40000 -> frontend 10.96.0.10:80 -> backend 10.1.0.5:8080.
+    const CLIENT: u32 = 0x0a00_0001;
+    const FE: u32 = 0x0a60_000a;
+    const BE: u32 = 0x0a01_0005;
+    const NODE: u32 = 0x0a00_00fe;
+
+    fn fwd() -> CtKey<u32> {
+        key(CLIENT, FE, 40000, 80, PROTO_TCP, CT_DIR_FORWARD)
+    }
+    fn rep() -> CtKey<u32> {
+        key(BE, CLIENT, 8080, 40000, PROTO_TCP, CT_DIR_REPLY)
+    }
+    fn ct(addr: u32, port: u16, flags: u16, at: u64) -> Ct<u32> {
+        Ct { addr, port, flags, last_seen_ns: at }
+    }
+
+    /// The decision over a whole map, as `scan` makes it: marked entries found by the walk,
+    /// the others read on demand.
+    fn judge(map: &[(CtKey<u32>, Ct<u32>)], now: u64) -> Vec<Vec<CtKey<u32>>> {
+        let all: HashMap<_, _> = map.iter().copied().collect();
+        let found: Vec<_> = map.iter().copied().filter(|(k, v)| marked(k, v)).collect();
+        closed_flows(&found, |k| all.get(k).copied(), now, HOLD).into_iter().map(|f| f.into_iter().map(|(k, _)| k).collect()).collect()
+    }
+
+    fn pair(fwd_flags: u16, fwd_at: u64, rep_flags: u16, rep_at: u64) -> Vec<(CtKey<u32>, Ct<u32>)> {
+        vec![(fwd(), ct(BE, 8080, fwd_flags, fwd_at)), (rep(), ct(FE, 80, rep_flags, rep_at))]
+    }
+
+    #[test]
+    fn a_flow_closed_both_ways_goes_after_the_hold() {
+        let map = pair(CT_FLAG_FIN, 100 * S, CT_FLAG_FIN, 101 * S);
+        assert!(judge(&map, 110 * S).is_empty(), "the last FIN is 9 s old");
+        assert_eq!(judge(&map, 111 * S), vec![vec![fwd(), rep()]], "one flow, both entries, found once");
+    }
+
+    #[test]
+    fn half_closed_and_idle_flows_stay() {
+        assert!(judge(&pair(CT_FLAG_FIN, 100 * S, 0, 1), 1_000 * S).is_empty(), "client closed, backend still sending");
+        assert!(judge(&pair(0, 1, CT_FLAG_FIN, 100 * S), 1_000 * S).is_empty(), "backend closed, client still sending");
+        assert!(judge(&pair(0, 1, 0, 1), 1_000 * S).is_empty(), "idle");
+    }
+
+    #[test]
+    fn a_reset_either_way_closes() {
+        assert_eq!(judge(&pair(0, 1, CT_FLAG_RST, 100 * S), 110 * S), vec![vec![fwd(), rep()]]);
+        assert_eq!(judge(&pair(CT_FLAG_RST, 100 * S, 0, 1), 110 * S), vec![vec![fwd(), rep()]]);
+        assert!(judge(&pair(CT_FLAG_RST, 100 * S, 0, 1), 109 * S).is_empty());
+    }
+
+    #[test]
+    fn an_entry_whose_partner_is_gone_or_another_flows_goes_alone() {
+        // The reply entry was evicted: the forward one cannot carry a flow any more.
+        let map = vec![(fwd(), ct(BE, 8080, CT_FLAG_FIN, 100 * S))];
+        assert_eq!(judge(&map, 110 * S), vec![vec![fwd()]]);
+        // The reply key belongs to a flow through another frontend (the client reused its
+        // port): that entry is not touched.
+        let map = vec![(fwd(), ct(BE, 8080, CT_FLAG_FIN, 100 * S)), (rep(), ct(FE + 1, 80, 0, 105 * S))];
+        assert_eq!(judge(&map, 110 * S), vec![vec![fwd()]]);
+    }
+
+    #[test]
+    fn source_nat_flows_go_with_their_closing_port() {
+        let (nat_port, proto) = (61_500u16, PROTO_TCP);
+        let snat_reply = key(BE, NODE, 8080, nat_port, proto, CT_DIR_SNAT_REPLY);
+        let snat_fwd = key(CLIENT, BE, 40000, 8080, proto, CT_DIR_SNAT_FWD);
+        let map = |closing: u16, at: u64| {
+            vec![
+                (fwd(), ct(BE, 8080, CT_FLAG_SNAT, at)),
+                (rep(), ct(FE, 80, 0, at)),
+                (snat_fwd, ct(NODE, nat_port, 0, at)),
+                (snat_reply, ct(CLIENT, 40000, closing, at)),
+            ]
+        };
+        assert!(judge(&map(0, 100 * S), 1_000 * S).is_empty(), "an open source-NAT flow stays");
+        assert!(judge(&map(CT_FLAG_SNAT, 100 * S), 109 * S).is_empty(), "closing, used 9 s ago");
+        assert_eq!(judge(&map(CT_FLAG_SNAT, 100 * S), 110 * S), vec![vec![snat_reply, rep(), fwd(), snat_fwd]]);
+        // The client's flow has moved on to another port: only the port's entry goes.
+        let mut moved = map(CT_FLAG_SNAT, 100 * S);
+        moved[2].1.port = nat_port + 1;
+        assert_eq!(judge(&moved, 110 * S), vec![vec![snat_reply]]);
+    }
+
+    #[test]
+    fn source_nat_flows_are_not_judged_by_their_fin_marks() {
+        // A source-NATed flow's forward entry is flagged SNAT; its reply entry may carry FIN
+        // marks from the reverse path, but the port's entry decides.
+        let map = vec![(fwd(), ct(BE, 8080, CT_FLAG_SNAT | CT_FLAG_FIN, 100 * S)), (rep(), ct(FE, 80, CT_FLAG_FIN, 100 * S))];
+        assert!(judge(&map, 1_000 * S).is_empty());
+    }
+
+    #[test]
+    fn ipv6_flows_are_judged_the_same() {
+        let (c, f, b) = ([0x2001_0db8, 0, 0, 1], [0xfd00_0000, 0, 0, 0x10], [0x2001_0db8, 0, 1, 5]);
+        let map: Vec<(CtKey<Ip6>, Ct<Ip6>)> = vec![
+            (key(c, f, 40000, 80, PROTO_TCP, CT_DIR_FORWARD), Ct { addr: b, port: 8080, flags: CT_FLAG_FIN, last_seen_ns: 100 * S }),
+            (key(b, c, 8080, 40000, PROTO_TCP, CT_DIR_REPLY), Ct { addr: f, port: 80, flags: CT_FLAG_FIN, last_seen_ns: 100 * S }),
+        ];
+        let found: Vec<_> = map.iter().copied().filter(|(k, v)| marked(k, v)).collect();
+        assert_eq!(closed_flows(&found, |_| None, 110 * S, HOLD).len(), 1);
+    }
+}
