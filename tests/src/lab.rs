@@ -511,6 +511,35 @@ impl Agent {
         Ok(serde_json::from_slice(&out.stdout)?)
     }
 
+    /// `lb list`'s conntrack line for `family` ("IPv4" or "IPv6"): entries and capacity.
+    pub fn conntrack(&self, family: &str) -> Result<(usize, usize)> {
+        let out = Command::new(&self.bin).args(["lb", "list", "--bpffs"]).arg(&self.bpffs).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let prefix = format!("conntrack entries ({family}): ");
+        // "conntrack entries (IPv4): 36 of 262144 (0.0% full)"
+        let line = text.lines().find(|l| l.starts_with(&prefix)).with_context(|| format!("no {family} conntrack line in: {text}"))?;
+        let mut words = line[prefix.len()..].split_whitespace();
+        let entries = words.next().and_then(|n| n.parse().ok()).with_context(|| line.to_owned())?;
+        let capacity = words.nth(1).and_then(|n| n.parse().ok()).with_context(|| line.to_owned())?;
+        Ok((entries, capacity))
+    }
+
+    /// Waits (at most `within`) until `family`'s conntrack map holds `pred`-many entries;
+    /// returns the last count.
+    pub fn wait_conntrack(&self, family: &str, within: Duration, pred: impl Fn(usize) -> bool) -> Result<usize> {
+        let deadline = Instant::now() + within;
+        loop {
+            let (n, _) = self.conntrack(family)?;
+            if pred(n) {
+                return Ok(n);
+            }
+            if Instant::now() >= deadline {
+                bail!("{family} conntrack still holds {n} entries after {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     /// Backends programmed for `frontend` ("ip:port/proto"), sorted.
     pub fn programmed(&self, frontend: &str) -> Result<Option<Vec<String>>> {
         let v = self.lb_list()?;

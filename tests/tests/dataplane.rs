@@ -4,6 +4,7 @@ use std::{
     io::{BufRead, BufReader, Write},
     process::Stdio,
     sync::{Mutex, MutexGuard},
+    time::Duration,
 };
 
 use gardenet_tests::{
@@ -68,12 +69,9 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
     cases::udp_replies_come_from_the_vip(&lab, false, &vip(), 60, false);
     cases::bulk_stays_on_one_backend(&lab, &vip(), 10 << 20);
 
-    // Conntrack pressure as `lb list` shows it, and no failed insertions.
-    let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with("conntrack entries (IPv4): ")).unwrap_or_else(|| panic!("no conntrack line in: {text}"));
-    let entries: usize = line.split_whitespace().nth(3).and_then(|n| n.parse().ok()).unwrap_or(0);
-    assert!(entries > 0 && line.contains(" of ") && line.ends_with("% full)"), "{line}");
+    // Conntrack as `lb list` shows it, and no failed insertions.
+    let (entries, capacity) = agent.conntrack("IPv4").unwrap();
+    assert!(entries > 0 && capacity > 0, "{entries} of {capacity}");
     agent.stop();
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("tc_ct_created=") && log.contains("tc_ct_insert_failed=0"), "{log}");
@@ -203,12 +201,8 @@ fn idle_tcp_sockets_leave_a_backend_gone_from_the_service_socket_lb() {
 
 /// `lb list`'s IPv4 conntrack line: (entries, percent full).
 fn conntrack_fill(agent: &Agent) -> (usize, usize) {
-    let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with("conntrack entries (IPv4): ")).unwrap_or_else(|| panic!("no conntrack line in: {text}"));
-    let entries = line.split_whitespace().nth(3).and_then(|n| n.parse().ok()).unwrap();
-    let percent = line.rsplit_once('(').and_then(|(_, p)| p.split('%').next()).and_then(|p| p.parse::<f64>().ok()).unwrap();
-    (entries, percent as usize)
+    let (entries, capacity) = agent.conntrack("IPv4").unwrap();
+    (entries, entries * 100 / capacity.max(1))
 }
 
 /// Conntrack pressure: with a 4,096-entry conntrack map filled past 90% by short UDP flows,
@@ -260,15 +254,47 @@ fn established_flows_survive_a_conntrack_map_at_ninety_percent() {
     assert!(log.contains("tc_ct_insert_failed=0"), "{log}");
 }
 
+/// Closed flows leave conntrack: 100 short TCP flows through TC LB (each closed with a FIN
+/// both ways) are removed by the agent's scan once closed for `--conntrack-closed-secs`,
+/// while idle flows and half-closed ones (the client's FIN sent, the backend still to answer)
+/// keep their entries through many scans and keep working on their backends.
+#[test]
+fn closed_tcp_flows_leave_conntrack_while_idle_and_half_closed_ones_stay() {
+    let _g = serial();
+    let extra = vec!["--conntrack-scan-secs=1".into(), "--conntrack-closed-secs=1".into()];
+    let (lab, agent) = setup(AgentOpts { tc: true, extra, ..Default::default() }, &[0, 1, 2]);
+    let (idle_p, idle_out, idle_before) = hold_with(&lab, false, 12, &[]);
+    let (half_p, half_out, half_before) = hold_with(&lab, false, 6, &["--half-close-ms", "6000"]);
+    let open = conntrack_fill(&agent).0;
+    assert_eq!(open, 2 * 18, "a forward and a reply entry per open flow");
+
+    let v = lab.client_json(false, &["tcp", "--to", &vip(), "--count", "100"]).unwrap();
+    assert_spread(&v, 100);
+    let after_short = conntrack_fill(&agent).0;
+    eprintln!("conntrack: {open} entries with 18 open flows, {after_short} right after 100 short ones");
+    // Bounded wait: the scan runs every second and removes flows closed for a second.
+    agent.wait_conntrack("IPv4", Duration::from_secs(20), |n| n == open).unwrap();
+
+    // The open flows kept their entries through the scans: each answers from its backend,
+    // the half-closed ones with the answer their backend sends only now.
+    let idle_after = release(idle_p, idle_out);
+    assert_eq!(idle_after["after"], idle_before["names"], "idle flows kept their backends: {idle_after}");
+    let half_after = release(half_p, half_out);
+    assert_eq!(half_after["after"], half_before["names"], "half-closed flows got their backends' late answers: {half_after}");
+    // Now closed too (the backends closed after answering): removed as well.
+    agent.wait_conntrack("IPv4", Duration::from_secs(20), |n| n == 0).unwrap();
+}
+
 /// Opens `conns` connections to the VIP that wait for a line on stdin (netkit `hold`).
 fn hold(lab: &Lab, socket_lb: bool, conns: u32) -> (std::process::Child, BufReader<std::process::ChildStdout>, serde_json::Value) {
-    let mut p = lab
-        .client_cmd(socket_lb, &["hold", "--to", &vip(), "--conns", &conns.to_string()])
-        .unwrap()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    hold_with(lab, socket_lb, conns, &[])
+}
+
+/// `hold` with more of netkit's `hold` options.
+fn hold_with(lab: &Lab, socket_lb: bool, conns: u32, more: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStdout>, serde_json::Value) {
+    let (to, conns) = (vip(), conns.to_string());
+    let args: Vec<&str> = ["hold", "--to", &to, "--conns", &conns].into_iter().chain(more.iter().copied()).collect();
+    let mut p = lab.client_cmd(socket_lb, &args).unwrap().stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     let mut out = BufReader::new(p.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
@@ -304,7 +330,7 @@ fn an_upgrade_onto_maps_of_another_size_keeps_established_connections() {
     assert!(log.contains("pinned maps migrated"), "{log}");
     assert!(!std::fs::exists(agent.bpffs.join("GN_CT4_old")).unwrap(), "old pins are removed");
     assert!(std::fs::exists(agent.bpffs.join("GN_LAYOUT")).unwrap(), "a map the old release did not have is created");
-    assert_eq!(conntrack_capacity(&agent), 8192);
+    assert_eq!(agent.conntrack("IPv4").unwrap().1, 8192);
 
     let tc_after = release(tc_p, tc_out);
     let sock_after = release(sock_p, sock_out);
@@ -319,11 +345,4 @@ fn an_upgrade_onto_maps_of_another_size_keeps_established_connections() {
     let log = agent.log.lock().unwrap()[before..].join("\n");
     assert!(!log.contains("pinned map GN_"), "nothing to migrate: {log}");
     agent.set_extra(Vec::new());
-}
-
-fn conntrack_capacity(agent: &Agent) -> usize {
-    let out = std::process::Command::new(&agent.bin).args(["lb", "list", "--bpffs"]).arg(&agent.bpffs).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with("conntrack entries (IPv4): ")).unwrap_or_else(|| panic!("{text}"));
-    line.split_whitespace().nth(5).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"))
 }

@@ -51,7 +51,8 @@ fn node_port_to_a_backend_on_another_node_is_source_natted() {
     // The pod answers directly (and its replies to the client go the short way via node3).
     let w = TwoNodes::new(0).unwrap();
 
-    let opts = AgentOpts { extra: vec!["--tc-interface=a0,a1".into()], ..Default::default() };
+    let extra = ["--tc-interface=a0,a1", "--conntrack-scan-secs=1", "--conntrack-closed-secs=1"].map(String::from).to_vec();
+    let opts = AgentOpts { extra, ..Default::default() };
     let mut agent = Agent::start_in(&w.tag, &w.node, None, opts, &manifests("node3")).unwrap();
     let np = format!("{NODE_ADDR}:30080");
     agent.wait_backends(&format!("{np}/tcp"), 1).unwrap();
@@ -73,6 +74,12 @@ fn node_port_to_a_backend_on_another_node_is_source_natted() {
     assert_eq!(fe["backends"][0]["remote"], true, "{fe}");
 
     check_source_natted(&w, &np, NODE_TO_NODE3);
+    // The closed TCP flows (over 100, four entries each) leave conntrack with their
+    // source-NAT ports: what stays is the UDP flows' (20, four entries each, idle for less
+    // than two minutes) and the SYN that ran out of TTL (never closed).
+    let (after, _) = agent.conntrack("IPv4").unwrap();
+    let left = agent.wait_conntrack("IPv4", Duration::from_secs(20), |n| n <= 4 * 20 + 4).unwrap();
+    eprintln!("conntrack (IPv4): {after} entries after the flows, {left} once the closed ones were removed");
     let np6 = format!("[{NODE_ADDR6}]:30080");
     agent.wait_backends(&format!("{np6}/tcp"), 1).unwrap();
     check_source_natted(&w, &np6, &format!("[{NODE_TO_NODE3_6}]"));

@@ -162,6 +162,10 @@ enum Cmd {
         /// bytes and leaves them unread until the check, so its receive queue is not empty.
         #[arg(long)]
         busy_every: Option<u32>,
+        /// Half-close every connection: shut down its writing side at once and expect the
+        /// server's answer only this many milliseconds later (the check reads it).
+        #[arg(long)]
+        half_close_ms: Option<u64>,
     },
 }
 
@@ -183,7 +187,7 @@ fn main() -> Result<()> {
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
         Cmd::Bulk { to, bytes, pace_ms, download } => bulk(to, bytes.min(1 << 30), pace_ms, download.unwrap_or(bytes).min(1 << 30)),
-        Cmd::Hold { to, conns, busy_every } => hold(to, conns.min(1000), busy_every.filter(|n| *n > 0)),
+        Cmd::Hold { to, conns, busy_every, half_close_ms } => hold(to, conns.min(1000), busy_every.filter(|n| *n > 0), half_close_ms.map(|ms| ms.min(60_000))),
         Cmd::HttpGet { to, path } => http_get(to, &path),
         Cmd::Stream { to, seconds } => stream(to, seconds.clamp(0.1, 60.0)),
         Cmd::Soak { to, from, streams, chunk, pace_ms, interval_ms, timeout_ms, max_seconds } => soak(
@@ -334,6 +338,16 @@ fn handle(s: TcpStream, name: &str) -> Result<()> {
                 }
             }
             (Some("WHO"), _) => writeln!(w, "{name} {peer}")?,
+            (Some("LATER"), Some(ms)) => {
+                // Half-closed from the client's side: it shuts its writing down now, and
+                // this end answers once more `ms` after the request, then closes.
+                let due = std::time::Instant::now() + Duration::from_millis(ms.min(60_000));
+                writeln!(w, "{name}")?;
+                while r.read_line(&mut line)? > 0 {}
+                std::thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
+                writeln!(w, "{name}")?;
+                return Ok(());
+            }
             _ => writeln!(w, "{name}")?,
         }
     }
@@ -633,7 +647,7 @@ fn bulk(to: SocketAddr, bytes: u64, pace_ms: u64, download: u64) -> Result<()> {
     Ok(())
 }
 
-fn hold(to: SocketAddr, conns: u32, busy_every: Option<u32>) -> Result<()> {
+fn hold(to: SocketAddr, conns: u32, busy_every: Option<u32>, half_close_ms: Option<u64>) -> Result<()> {
     const UNREAD: usize = 1000;
     let mut socks = Vec::new();
     let mut names = Vec::new();
@@ -649,6 +663,13 @@ fn hold(to: SocketAddr, conns: u32, busy_every: Option<u32>) -> Result<()> {
         let b = busy_every.is_some_and(|n| (i + 1) % n == 0);
         if b {
             (&s).write_all(format!("SOURCE {UNREAD}\n").as_bytes())?;
+        }
+        if let Some(ms) = half_close_ms {
+            (&s).write_all(format!("LATER {ms}\n").as_bytes())?;
+            line.clear();
+            r.read_line(&mut line)?;
+            s.shutdown(Shutdown::Write)?;
+            s.set_read_timeout(Some(Duration::from_millis(ms + 5_000)))?;
         }
         busy.push(b);
         socks.push((s, r));
@@ -669,7 +690,9 @@ fn hold(to: SocketAddr, conns: u32, busy_every: Option<u32>) -> Result<()> {
                 r.read_exact(&mut rest)?;
                 line.clear();
             }
-            (&*s).write_all(b"PING\n")?;
+            if half_close_ms.is_none() {
+                (&*s).write_all(b"PING\n")?;
+            }
             r.read_line(&mut line)?;
             Ok(())
         };
