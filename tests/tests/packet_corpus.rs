@@ -168,7 +168,10 @@ fn every_program_survives_the_packet_corpus() {
     let seed: u64 = std::env::var("GARDENET_CORPUS_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0x6761_7264);
     let lab = Lab::new(3).expect("lab");
     lab.wait_servers6().expect("IPv6 servers");
-    let agent = Agent::start(&lab, AgentOpts { tc: true, ..Default::default() }, &manifests()).expect("agent");
+    // The corpus's FINs and RSTs close its flows; the checker expects their conntrack entries
+    // for the whole run (minutes under emulation), so the agent keeps closed flows here.
+    let extra = vec!["--conntrack-closed-secs=0".into()];
+    let agent = Agent::start(&lab, AgentOpts { tc: true, extra, ..Default::default() }, &manifests()).expect("agent");
     for fe in [format!("{VIP4}:80"), format!("[{VIP6}]:80"), format!("{NODE_ADDR}:{NODE_PORT}"), format!("[{NODE_ADDR6}]:{NODE_PORT}")] {
         for p in ["tcp", "udp"] {
             agent.wait_backends(&format!("{fe}/{p}"), 3).unwrap();

@@ -16,6 +16,7 @@
 //! balanced afresh on its next packet.
 use std::{
     collections::{HashMap, HashSet},
+    os::fd::AsFd,
     path::Path,
     time::Duration,
 };
@@ -27,7 +28,7 @@ use aya::{
 };
 use gardenet_common::*;
 
-use crate::dataplane::{lbmap::Addr, mapfill::Fill};
+use crate::dataplane::{lbmap::Addr, mapfill::Fill, walk_hash_batched};
 
 /// A conntrack value of either family.
 pub(crate) trait CtValue: Pod {
@@ -191,20 +192,22 @@ where
 {
     let data = MapData::from_pin(pin)?;
     let capacity = data.info()?.max_entries() as usize;
+    let fd = data.fd().as_fd().try_clone_to_owned()?;
     let mut ct: BpfHashMap<MapData, CtKey<V::Addr>, V> = BpfHashMap::try_from(Map::LruHashMap(data))?;
+    // Only the marked entries are kept. Batched where the kernel can (5.6+), aya's iterator
+    // (two calls per entry) otherwise.
+    let mut found = Vec::new();
+    let judge = hold.is_some();
+    let entries = match walk_hash_batched(fd.as_fd(), |k, v: V| keep_marked(&mut found, judge, k, &v)) {
+        Ok(n) => n,
+        Err(_) => {
+            found.clear();
+            ct.iter().filter_map(|r| r.ok()).map(|(k, v)| keep_marked(&mut found, judge, k, &v)).count()
+        }
+    };
     let Some(hold) = hold else {
-        let entries = ct.keys().filter(|k| k.is_ok()).count();
         return Ok((Fill { map: name, entries, capacity }, 0));
     };
-    let mut entries = 0usize;
-    let mut found = Vec::new();
-    for (k, v) in ct.iter().filter_map(|r| r.ok()) {
-        entries += 1;
-        let v = ct_of(&v);
-        if marked(&k, &v) {
-            found.push((k, v));
-        }
-    }
     let flows = closed_flows(&found, |k| ct.get(k, 0).ok().map(|v| ct_of(&v)), now, hold);
     let (mut removed, mut removed_entries) = (0, 0);
     for flow in flows {
@@ -215,6 +218,13 @@ where
         }
     }
     Ok((Fill { map: name, entries: entries.saturating_sub(removed_entries), capacity }, removed))
+}
+
+fn keep_marked<V: CtValue>(found: &mut Vec<(CtKey<V::Addr>, Ct<V::Addr>)>, judge: bool, k: CtKey<V::Addr>, v: &V) {
+    let v = ct_of(v);
+    if judge && marked(&k, &v) {
+        found.push((k, v));
+    }
 }
 
 /// `bpf_ktime_get_ns()`'s clock (CLOCK_MONOTONIC) in nanoseconds.

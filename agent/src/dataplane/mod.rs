@@ -514,6 +514,7 @@ fn dup_fd(m: &Map) -> Result<OwnedFd> {
     }
 }
 
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 /// The kernel's internal "operation not supported" (`ENOTSUPP`), which bpf(2) returns as is.
@@ -556,6 +557,59 @@ fn sys_batch<K, V>(fd: &OwnedFd, keys: &[K], values: Option<&[V]>) -> Result<(),
     // is below n); an error before that leaves our n, and nothing was written.
     let done = if a.count < n { a.count as usize } else { 0 };
     Err((done, err))
+}
+
+/// Every entry of a hash map, read with `BPF_MAP_LOOKUP_BATCH` and handed to `each`: a call
+/// per few thousand entries instead of two per entry (aya's iterator: next key, then lookup),
+/// and memory for one call's entries only. An error the kernel gives (no batch lookup for
+/// this map: before 5.6) is returned; entries that change meanwhile may be seen in their old
+/// or new state, as with any walk. Returns the number of entries.
+pub(crate) fn walk_hash_batched<K: Pod, V: Pod>(fd: std::os::fd::BorrowedFd<'_>, mut each: impl FnMut(K, V)) -> std::io::Result<usize> {
+    let mut chunk = 4096usize;
+    let mut total = 0;
+    // The kernel's position between calls (a bucket index for hash maps); 8 bytes hold it.
+    let (mut token, mut first) = (0u64, true);
+    loop {
+        let mut keys: Vec<K> = Vec::with_capacity(chunk);
+        let mut values: Vec<V> = Vec::with_capacity(chunk);
+        let mut next = 0u64;
+        let mut a = BatchAttr {
+            in_batch: if first { 0 } else { &token as *const u64 as u64 },
+            out_batch: &mut next as *mut u64 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: chunk as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        // SAFETY: `a` is a valid `bpf_attr.batch`; keys and values have room for `count`
+        // elements of the map's key and value size (the caller's types are the map's), and
+        // the kernel writes at most `count` of each.
+        let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut a as *mut BatchAttr, std::mem::size_of::<BatchAttr>() as u32) };
+        let err = (r != 0).then(std::io::Error::last_os_error);
+        match err.as_ref().and_then(|e| e.raw_os_error()) {
+            // A bucket holds more entries than fit: again from the same place, with more room.
+            Some(libc::ENOSPC) if chunk < 1 << 20 => {
+                chunk *= 4;
+                continue;
+            }
+            None | Some(libc::ENOENT) => {}
+            _ => return Err(err.unwrap_or_else(|| std::io::Error::other("batch lookup"))),
+        }
+        let n = (a.count as usize).min(chunk);
+        // SAFETY: the kernel wrote `n` keys and values.
+        unsafe {
+            keys.set_len(n);
+            values.set_len(n);
+        }
+        total += n;
+        keys.into_iter().zip(values).for_each(|(k, v)| each(k, v));
+        if err.is_some() {
+            return Ok(total); // ENOENT: that was the end
+        }
+        token = next;
+        first = false;
+    }
 }
 
 /// One family's service, backend, affinity-match and source-range maps.
@@ -882,18 +936,7 @@ where
 /// Fill of each family's conntrack map (`conntrack_ipv4`, and `conntrack_ipv6` where it is
 /// pinned). Walks the maps: keep it off the run loop.
 pub fn conntrack_fill(pin_dir: &Path) -> Result<Vec<crate::dataplane::mapfill::Fill>> {
-    let mut out = vec![fill_of::<CtKey4, CtValue4>(&pin_dir.join(MAP_CT), "conntrack_ipv4")?];
-    if pin_dir.join(MAP_CT6).exists() {
-        out.push(fill_of::<CtKey6, CtValue6>(&pin_dir.join(MAP_CT6), "conntrack_ipv6")?);
-    }
-    Ok(out)
-}
-
-fn fill_of<K: aya::Pod, V: aya::Pod>(pin: &Path, map: &'static str) -> Result<crate::dataplane::mapfill::Fill> {
-    let data = MapData::from_pin(pin)?;
-    let capacity = data.info()?.max_entries() as usize;
-    let ct: BpfHashMap<MapData, K, V> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-    Ok(crate::dataplane::mapfill::Fill { map, entries: ct.keys().filter(|k| k.is_ok()).count(), capacity })
+    Ok(ctgc::scan(pin_dir, None)?.fills)
 }
 
 #[cfg(test)]

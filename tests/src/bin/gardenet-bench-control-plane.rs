@@ -16,7 +16,10 @@
 //!   6. dir source (informational): the objects as YAML files, `DirState::reload` timed;
 //!   7. agent process (informational): the real `gardenet-agent run --source dir:` on those
 //!      files, nothing attached (`--no-socket-lb`, no TC interface): spawn -> ready, and its
-//!      peak RSS from /proc/PID/status.
+//!      peak RSS from /proc/PID/status;
+//!   8. conntrack scan (informational): the agent's periodic walk of the IPv4 conntrack map
+//!      (`ctgc::scan`), filled to 90% with synthetic flows of which a quarter closed long ago:
+//!      counting alone, then counting and removing the closed ones.
 //!
 //! The maps are the real kernel maps (`Dataplane::load` into a fresh pin directory under
 //! /sys/fs/bpf) but NOTHING is attached: no cgroup, no interface, no traffic is affected. Pin
@@ -39,7 +42,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gardenet_agent::{
     dataplane::lbmap::{LbMaps, LbState, MapDump, MemMaps},
-    dataplane::{AyaLbMaps, Dataplane, MapSizes},
+    dataplane::{ctgc, AyaLbMaps, Dataplane, MapSizes},
     desired::{Backend, Frontend, Proto},
     pipeline::Pipeline,
     source::objects::{EndpointView, ServiceView, SliceView},
@@ -480,6 +483,60 @@ struct Report {
     dir: Option<(Duration, usize, u64, usize)>,
     agent: Option<Result<AgentRun, String>>,
     agent_kube: Option<Result<AgentRun, String>>,
+    ct_scan: Option<Result<CtScanRun, String>>,
+}
+
+/// The conntrack scan over a filled map (section 8).
+struct CtScanRun {
+    capacity: usize,
+    flows: usize,
+    fill: Duration,
+    entries: usize,
+    count_only: Duration,
+    with_removal: Duration,
+    removed: usize,
+    left: usize,
+}
+
+/// Fills the pinned IPv4 conntrack map to 90% with flows (a forward and a reply entry each; a
+/// quarter closed with a FIN both ways long ago, the rest open), then times the agent's scan:
+/// counting alone (no hold), and counting with removal of the closed flows.
+fn conntrack_scan(pin_dir: &Path, capacity: u32) -> Result<CtScanRun> {
+    use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+    use gardenet_common::{CtKey4, CtValue4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_FIN, MAP_CT, PROTO_TCP};
+    let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT))?))?;
+    let flows = capacity as usize * 9 / 10 / 2;
+    let (fe, fe_port, be_port) = (u32::from_be_bytes([10, 96, 0, 10]).to_be(), 80u16.to_be(), 8080u16.to_be());
+    let t = Instant::now();
+    for i in 0..flows as u32 {
+        let client = (u32::from_be_bytes([10, 64, 0, 0]) + i).to_be();
+        let be = u32::from_be_bytes([10, 1, (i % 251) as u8, 5]).to_be();
+        let sport = (1024 + (i % 60_000) as u16).to_be();
+        // Closed at 1 ns after boot: far longer ago than any hold.
+        let (flags, at) = if i % 4 == 0 { (CT_FLAG_FIN, 1) } else { (0, 1) };
+        let fwd = CtKey4 { saddr: client, daddr: fe, sport, dport: fe_port, proto: PROTO_TCP, dir: CT_DIR_FORWARD, _pad: 0 };
+        let rep = CtKey4 { saddr: be, daddr: client, sport: be_port, dport: sport, proto: PROTO_TCP, dir: CT_DIR_REPLY, _pad: 0 };
+        ct.insert(fwd, CtValue4 { addr: be, port: be_port, flags, last_seen_ns: at }, 0)?;
+        ct.insert(rep, CtValue4 { addr: fe, port: fe_port, flags, last_seen_ns: at }, 0)?;
+    }
+    let fill = t.elapsed();
+    let t = Instant::now();
+    let counted = ctgc::scan(pin_dir, None)?;
+    let count_only = t.elapsed();
+    let t = Instant::now();
+    let gc = ctgc::scan(pin_dir, Some(Duration::from_secs(10)))?;
+    let with_removal = t.elapsed();
+    let left = ctgc::scan(pin_dir, None)?;
+    Ok(CtScanRun {
+        capacity: capacity as usize,
+        flows,
+        fill,
+        entries: counted.fills.first().map_or(0, |f| f.entries),
+        count_only,
+        with_removal,
+        removed: gc.removed_flows,
+        left: left.fills.first().map_or(0, |f| f.entries),
+    })
 }
 
 struct AgentRun {
@@ -847,6 +904,9 @@ fn main() -> Result<()> {
             sizes.backends
         );
         rep.main = run_pipeline(&a, maps, &mut world, Some(&pin_dir))?;
+        if !a.quick {
+            rep.ct_scan = Some(conntrack_scan(&pin_dir, sizes.conntrack).map_err(|e| format!("{e:#}")));
+        }
         drop(dp);
     }
     check_stop()?;
@@ -1051,6 +1111,21 @@ fn print_report(a: &Args, rep: &Report, load_before: &str) {
             *bytes as f64 / 1048576.0,
             ms(*d)
         );
+    }
+    match &rep.ct_scan {
+        Some(Ok(c)) => println!(
+            "- conntrack scan (informational; the agent's walk every `--conntrack-scan-secs`, off its run loop): IPv4 map of {} entries filled with {} flows in {:.0} ms ({} entries as counted), a quarter closed long ago: counting alone {:.0} ms, counting and removing the closed ones {:.0} ms ({} flows removed, {} entries left)",
+            c.capacity,
+            c.flows,
+            ms(c.fill),
+            c.entries,
+            ms(c.count_only),
+            ms(c.with_removal),
+            c.removed,
+            c.left
+        ),
+        Some(Err(e)) => println!("- conntrack scan: not measured: {e}"),
+        None => {}
     }
     match &rep.agent {
         Some(Ok(ag)) => println!(
