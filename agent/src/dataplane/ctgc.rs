@@ -83,8 +83,11 @@ fn key<A>(saddr: A, daddr: A, sport: u16, dport: u16, proto: u8, dir: u8) -> CtK
     CtKey { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
 }
 
+/// Conntrack entries with their values.
+pub type Entries<A> = Vec<(CtKey<A>, Ct<A>)>;
+
 /// The entries of one flow that may be removed, with the values they were judged by.
-pub type Flow<A> = Vec<(CtKey<A>, Ct<A>)>;
+pub type Flow<A> = Entries<A>;
 
 /// Whether an entry may take part in the scan's decision: a forward or reply entry with a
 /// FIN or RST, or a closing source-NAT port. Only these are kept from the walk.
@@ -220,7 +223,7 @@ where
     Ok((Fill { map: name, entries: entries.saturating_sub(removed_entries), capacity }, removed))
 }
 
-fn keep_marked<V: CtValue>(found: &mut Vec<(CtKey<V::Addr>, Ct<V::Addr>)>, judge: bool, k: CtKey<V::Addr>, v: &V) {
+fn keep_marked<V: CtValue>(found: &mut Entries<V::Addr>, judge: bool, k: CtKey<V::Addr>, v: &V) {
     let v = ct_of(v);
     if judge && marked(&k, &v) {
         found.push((k, v));
