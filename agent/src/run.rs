@@ -544,7 +544,7 @@ impl Agent {
         if !rep.stale_udp.is_empty() {
             let (bpffs, proc_dir, stale, metrics) = (self.bpffs.clone(), self.host_proc.clone(), rep.stale_udp.clone(), self.metrics.clone());
             tokio::task::spawn_blocking(move || {
-                match dataplane::purge_conntrack(&bpffs, &stale) {
+                match dataplane::ctgc::purge_departed(&bpffs, &stale) {
                     Ok(n) => tracing::debug!("removed {n} UDP flows to {} departed backends", stale.len()),
                     Err(e) => tracing::warn!("removing UDP flows to departed backends: {e:#}"),
                 }

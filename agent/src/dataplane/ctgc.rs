@@ -1,4 +1,5 @@
-//! Removal of closed TCP flows from the conntrack maps.
+//! Removal of flows from the conntrack maps: closed TCP flows ([`scan`]) and flows to
+//! backends that left their Service ([`purge_departed`]), both through one walk ([`walk`]).
 //!
 //! The TC programs mark a translated flow's forward and reply entries when a FIN or RST
 //! passes in their direction (`CT_FLAG_FIN`, `CT_FLAG_RST`, with the time of the close in
@@ -16,7 +17,8 @@
 //! balanced afresh on its next packet.
 use std::{
     collections::{HashMap, HashSet},
-    os::fd::AsFd,
+    net::IpAddr,
+    os::fd::{AsFd, OwnedFd},
     path::Path,
     time::Duration,
 };
@@ -193,21 +195,10 @@ fn scan_family<V: CtValue>(pin: &Path, name: &'static str, hold: Option<Duration
 where
     CtKey<V::Addr>: Pod + std::hash::Hash,
 {
-    let data = MapData::from_pin(pin)?;
-    let capacity = data.info()?.max_entries() as usize;
-    let fd = data.fd().as_fd().try_clone_to_owned()?;
-    let mut ct: BpfHashMap<MapData, CtKey<V::Addr>, V> = BpfHashMap::try_from(Map::LruHashMap(data))?;
-    // Only the marked entries are kept. Batched where the kernel can (5.6+), aya's iterator
-    // (two calls per entry) otherwise.
-    let mut found = Vec::new();
-    let judge = hold.is_some();
-    let entries = match walk_hash_batched(fd.as_fd(), |k, v: V| keep_marked(&mut found, judge, k, &v)) {
-        Ok(n) => n,
-        Err(_) => {
-            found.clear();
-            ct.iter().filter_map(|r| r.ok()).map(|(k, v)| keep_marked(&mut found, judge, k, &v)).count()
-        }
-    };
+    let ct = open::<V>(pin)?;
+    // Only the marked entries are kept.
+    let (entries, found) = walk(&ct, |k, v| hold.is_some() && marked(k, v));
+    let CtMap { map: mut ct, capacity, .. } = ct;
     let Some(hold) = hold else {
         return Ok((Fill { map: name, entries, capacity }, 0));
     };
@@ -223,11 +214,103 @@ where
     Ok((Fill { map: name, entries: entries.saturating_sub(removed_entries), capacity }, removed))
 }
 
-fn keep_marked<V: CtValue>(found: &mut Entries<V::Addr>, judge: bool, k: CtKey<V::Addr>, v: &V) {
-    let v = ct_of(v);
-    if judge && marked(&k, &v) {
-        found.push((k, v));
+/// One family's pinned conntrack map.
+struct CtMap<V: CtValue> {
+    map: BpfHashMap<MapData, CtKey<V::Addr>, V>,
+    /// A second descriptor, for the batch lookups aya does not wrap.
+    fd: OwnedFd,
+    capacity: usize,
+}
+
+fn open<V: CtValue>(pin: &Path) -> Result<CtMap<V>>
+where
+    CtKey<V::Addr>: Pod,
+{
+    let data = MapData::from_pin(pin)?;
+    let capacity = data.info()?.max_entries() as usize;
+    let fd = data.fd().as_fd().try_clone_to_owned()?;
+    Ok(CtMap { map: BpfHashMap::try_from(Map::LruHashMap(data))?, fd, capacity })
+}
+
+/// Walks a conntrack map: the number of entries, and those `keep` wants. Batched where the
+/// kernel can (5.6+; only the kept entries are held, not the map's), aya's iterator (two
+/// calls per entry) otherwise.
+fn walk<V: CtValue>(ct: &CtMap<V>, keep: impl Fn(&CtKey<V::Addr>, &Ct<V::Addr>) -> bool) -> (usize, Entries<V::Addr>)
+where
+    CtKey<V::Addr>: Pod,
+{
+    let each = |found: &mut Entries<V::Addr>, k, v: &V| {
+        let v = ct_of(v);
+        if keep(&k, &v) {
+            found.push((k, v));
+        }
+    };
+    let mut found = Vec::new();
+    let entries = match walk_hash_batched(ct.fd.as_fd(), |k, v: V| each(&mut found, k, &v)) {
+        Ok(n) => n,
+        Err(_) => {
+            found.clear();
+            ct.map.iter().filter_map(|r| r.ok()).map(|(k, v)| each(&mut found, k, &v)).count()
+        }
+    };
+    (entries, found)
+}
+
+/// (frontend address, port, protocol, backend address, port): a frontend's flows to a
+/// backend that left it.
+pub type Departed = (IpAddr, u16, u8, IpAddr, u16);
+
+/// Removes the flows from frontends to backends that left them (UDP: without this, a
+/// client that keeps sending stays on the departed backend). Returns the flows removed.
+/// Walks the maps: call it off the run loop.
+pub fn purge_departed(pin_dir: &Path, stale: &[(crate::desired::Frontend, crate::desired::Backend)]) -> Result<usize> {
+    let wanted: HashSet<Departed> =
+        stale.iter().filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4()).map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port)).collect();
+    let mut purged = 0;
+    if wanted.iter().any(|k| k.0.is_ipv4()) {
+        purged += purge_family::<CtValue4>(&pin_dir.join(MAP_CT), &wanted)?;
     }
+    if wanted.iter().any(|k| k.0.is_ipv6()) {
+        purged += purge_family::<CtValue6>(&pin_dir.join(MAP_CT6), &wanted)?;
+    }
+    Ok(purged)
+}
+
+fn purge_family<V: CtValue>(pin: &Path, wanted: &HashSet<Departed>) -> Result<usize>
+where
+    CtKey<V::Addr>: Pod,
+{
+    let ct = open::<V>(pin)?;
+    let (_, forward) = walk(&ct, |k, v| k.dir == CT_DIR_FORWARD && wanted.contains(&departed(k, v)));
+    let CtMap { map: mut ct, .. } = ct;
+    for k in flow_keys(&forward, |k| ct.get(k, 0).ok().map(|v| ct_of(&v))) {
+        let _ = ct.remove(&k);
+    }
+    Ok(forward.len())
+}
+
+/// The (frontend, backend) pair of a forward entry, host byte order.
+fn departed<A: Addr>(k: &CtKey<A>, v: &Ct<A>) -> Departed {
+    (k.daddr.ip(), u16::from_be(k.dport), k.proto, v.addr.ip(), u16::from_be(v.port))
+}
+
+/// Every entry of the flows whose forward entries are given: forward and reply, and for a
+/// source-NATed flow its forward and reply source-NAT entries (`lookup` reads the former).
+pub fn flow_keys<A: Copy>(forward: &[(CtKey<A>, Ct<A>)], lookup: impl Fn(&CtKey<A>) -> Option<Ct<A>>) -> Vec<CtKey<A>> {
+    let mut out = Vec::new();
+    for &(k, v) in forward {
+        let (be, be_port) = (v.addr, v.port);
+        out.push(k);
+        out.push(key(be, k.saddr, be_port, k.sport, k.proto, CT_DIR_REPLY));
+        if v.flags & CT_FLAG_SNAT != 0 {
+            let fwd = key(k.saddr, be, k.sport, be_port, k.proto, CT_DIR_SNAT_FWD);
+            if let Some(n) = lookup(&fwd) {
+                out.push(key(be, n.addr, be_port, n.port, k.proto, CT_DIR_SNAT_REPLY));
+            }
+            out.push(fwd);
+        }
+    }
+    out
 }
 
 /// `bpf_ktime_get_ns()`'s clock (CLOCK_MONOTONIC) in nanoseconds.
@@ -324,6 +407,25 @@ mod tests {
         let mut moved = map(CT_FLAG_SNAT, 100 * S);
         moved[2].1.port = nat_port + 1;
         assert_eq!(judge(&moved, 110 * S), vec![vec![snat_reply]]);
+    }
+
+    #[test]
+    fn departed_backends_flows_go_with_their_reply_and_source_nat_entries() {
+        let ip = |s: &str| u32::of_ip(s.parse().unwrap());
+        let (client, fe, be, node) = (ip("10.0.0.1"), ip("10.96.0.10"), ip("10.1.0.5"), ip("10.0.0.254"));
+        let p = u16::to_be;
+        let fwd = key(client, fe, p(40000), p(53), PROTO_UDP, CT_DIR_FORWARD);
+        let rep = key(be, client, p(5353), p(40000), PROTO_UDP, CT_DIR_REPLY);
+        let plain = ct(be, p(5353), 0, 0);
+        assert_eq!(departed(&fwd, &plain), ("10.96.0.10".parse().unwrap(), 53, PROTO_UDP, "10.1.0.5".parse().unwrap(), 5353));
+        assert_eq!(flow_keys(&[(fwd, plain)], |_| None), vec![fwd, rep]);
+        // Source-NATed: the port's reply entry is found through the forward source-NAT one.
+        let snat = ct(be, p(5353), CT_FLAG_SNAT, 0);
+        let snat_fwd = key(client, be, p(40000), p(5353), PROTO_UDP, CT_DIR_SNAT_FWD);
+        let snat_rep = key(be, node, p(5353), p(61500), PROTO_UDP, CT_DIR_SNAT_REPLY);
+        let lookup = |k: &CtKey<u32>| (*k == snat_fwd).then(|| ct(node, p(61500), 0, 0));
+        assert_eq!(flow_keys(&[(fwd, snat)], lookup), vec![fwd, rep, snat_rep, snat_fwd]);
+        assert_eq!(flow_keys(&[(fwd, snat)], |_| None), vec![fwd, rep, snat_fwd], "its source-NAT forward entry already gone");
     }
 
     #[test]

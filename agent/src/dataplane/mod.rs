@@ -8,7 +8,6 @@ pub mod mapfill;
 pub mod sockterm;
 
 use std::{
-    collections::HashSet,
     fs,
     os::fd::{AsFd, AsRawFd, OwnedFd},
     path::{Path, PathBuf},
@@ -26,7 +25,6 @@ use aya::{
 use gardenet_common::*;
 
 use crate::{
-    dataplane::ctgc::CtValue,
     dataplane::features::KernelFeatures,
     dataplane::lbmap::{one_by_one, Addr, Batch, BatchError, Elems, Entry, Key, LbMaps, MapDump, MapError, MapKind, MapWrite, RangeKey, ServiceNet, Write},
     desired::Cidr,
@@ -878,59 +876,6 @@ pub fn dump_pinned(pin_dir: &Path) -> Result<MapDump> {
         d.service_nets = dump_service_nets(&m);
     }
     Ok(d)
-}
-
-/// Deletes the conntrack entries of flows from `stale` frontends to the given (removed)
-/// backends, in both families: the forward entry, its reply entry and, for a source-NATed
-/// flow, its source-NAT pair. The next packet of such a flow then selects a current backend.
-/// Walks the whole map: call it off the run loop. Returns the number of flows removed.
-pub fn purge_conntrack(pin_dir: &Path, stale: &[(crate::desired::Frontend, crate::desired::Backend)]) -> Result<usize> {
-    let wanted: HashSet<FlowId> =
-        stale.iter().filter(|(f, b)| f.addr.is_ipv4() == b.addr.is_ipv4()).map(|(f, b)| (f.addr, f.port, f.proto.number(), b.addr, b.port)).collect();
-    let mut purged = 0;
-    if wanted.iter().any(|k| k.0.is_ipv4()) {
-        let mut ct: BpfHashMap<MapData, CtKey4, CtValue4> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT))?))?;
-        purged += purge_family(&mut ct, &wanted);
-    }
-    if wanted.iter().any(|k| k.0.is_ipv6()) {
-        let mut ct: BpfHashMap<MapData, CtKey6, CtValue6> = BpfHashMap::try_from(Map::LruHashMap(MapData::from_pin(pin_dir.join(MAP_CT6))?))?;
-        purged += purge_family(&mut ct, &wanted);
-    }
-    Ok(purged)
-}
-
-/// (frontend address, port, protocol, backend address, port), host byte order.
-type FlowId = (std::net::IpAddr, u16, u8, std::net::IpAddr, u16);
-
-/// `purge_conntrack` for one family's map.
-fn purge_family<V: CtValue>(ct: &mut BpfHashMap<MapData, CtKey<V::Addr>, V>, wanted: &HashSet<FlowId>) -> usize
-where
-    CtKey<V::Addr>: Pod,
-{
-    let key = |saddr, daddr, sport, dport, proto, dir| CtKey { saddr, daddr, sport, dport, proto, dir, _pad: 0 };
-    let mut doomed = Vec::new();
-    let mut purged = 0;
-    for (k, v) in ct.iter().filter_map(|r| r.ok()) {
-        let (be, be_port, flags) = v.parts();
-        if k.dir != CT_DIR_FORWARD || !wanted.contains(&(k.daddr.ip(), u16::from_be(k.dport), k.proto, be.ip(), u16::from_be(be_port))) {
-            continue;
-        }
-        doomed.push(k);
-        doomed.push(key(be, k.saddr, be_port, k.sport, k.proto, CT_DIR_REPLY));
-        if flags & CT_FLAG_SNAT != 0 {
-            let fwd = key(k.saddr, be, k.sport, be_port, k.proto, CT_DIR_SNAT_FWD);
-            if let Ok(n) = ct.get(&fwd, 0) {
-                let (nat, nat_port, _) = n.parts();
-                doomed.push(key(be, nat, be_port, nat_port, k.proto, CT_DIR_SNAT_REPLY));
-            }
-            doomed.push(fwd);
-        }
-        purged += 1;
-    }
-    for k in doomed {
-        let _ = ct.remove(&k);
-    }
-    purged
 }
 
 /// Fill of each family's conntrack map (`conntrack_ipv4`, and `conntrack_ipv6` where it is
