@@ -1,5 +1,5 @@
 //! Removal of flows from the conntrack maps: closed TCP flows ([`scan`]) and flows to
-//! backends that left their Service ([`purge_departed`]), both through one walk ([`walk`]).
+//! backends that left their Service ([`purge_departed`]), both through one walk (`walk`).
 //!
 //! The TC programs mark a translated flow's forward and reply entries when a FIN or RST
 //! passes in their direction (`CT_FLAG_FIN`, `CT_FLAG_RST`, with the time of the close in
