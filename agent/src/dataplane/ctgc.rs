@@ -1,14 +1,16 @@
 //! Removal of flows from the conntrack maps: closed TCP flows ([`scan`]) and flows to
 //! backends that left their Service ([`purge_departed`]), both through one walk (`walk`).
 //!
-//! The TC programs mark a translated flow's forward and reply entries when a FIN or RST
-//! passes in their direction (`CT_FLAG_FIN`, `CT_FLAG_RST`, with the time of the close in
-//! `last_seen_ns`), and a source-NAT port's reply entry as closing (`CT_FLAG_SNAT` there).
-//! The agent's periodic conntrack scan ([`scan`]) removes flows closed for longer than the
-//! hold time: a FIN both ways or a RST either way (as Cilium's close timeout). Half-closed
-//! and idle flows stay. Without this, closed flows stayed until the LRU evicted them: the map
-//! filled with dead flows, its pressure report became a false alarm, and the LRU evicted
-//! long-idle live flows before recently closed ones.
+//! The TC programs mark a translated flow's forward and reply entries (source-NATed flows'
+//! too) when a FIN or RST passes in their direction (`CT_FLAG_FIN`, `CT_FLAG_RST`, with the
+//! time of the close in `last_seen_ns`), and a source-NAT port's reply entry as closing
+//! (`CT_FLAG_SNAT` there). The agent's periodic conntrack scan ([`scan`]) removes flows
+//! closed for longer than the hold time: a FIN both ways or a RST either way (as Cilium's
+//! close timeout); a source-NATed flow goes with its closing port, or alone if the programs
+//! gave its port to a new flow first. Half-closed and idle flows stay. Without this, closed
+//! flows stayed until the LRU evicted them: the map filled with dead flows, its pressure
+//! report became a false alarm, and the LRU evicted long-idle live flows before recently
+//! closed ones.
 //!
 //! The decision ([`closed_flows`]) is pure; [`scan`] reads the maps, decides, and deletes a
 //! flow only if its entries still hold the values it was judged by (a new SYN on the same
@@ -92,11 +94,11 @@ pub type Entries<A> = Vec<(CtKey<A>, Ct<A>)>;
 pub type Flow<A> = Entries<A>;
 
 /// Whether an entry may take part in the scan's decision: a forward or reply entry with a
-/// FIN or RST, or a closing source-NAT port. Only these are kept from the walk.
+/// FIN or RST (source-NATed flows' too), or a closing source-NAT port. Only these are kept
+/// from the walk.
 pub fn marked<A>(k: &CtKey<A>, v: &Ct<A>) -> bool {
     match k.dir {
-        CT_DIR_FORWARD => v.flags & CT_FLAG_SNAT == 0 && v.closed(),
-        CT_DIR_REPLY => v.closed(),
+        CT_DIR_FORWARD | CT_DIR_REPLY => v.closed(),
         CT_DIR_SNAT_REPLY => v.flags & CT_FLAG_SNAT != 0,
         _ => false,
     }
@@ -130,8 +132,11 @@ pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
                     continue;
                 }
                 let fwd = get(&fkey);
-                if fwd.is_some_and(|f| f.flags & CT_FLAG_SNAT != 0) {
-                    continue; // a source-NATed flow: its port's entry decides (below)
+                if let Some(f) = fwd.filter(|f| f.flags & CT_FLAG_SNAT != 0) {
+                    // A source-NATed flow: its port's entry decides (below), unless the
+                    // programs gave the port to another flow before the scan came by.
+                    out.extend(orphaned_snat_flow((fkey, f), rkey, &get, &old));
+                    continue;
                 }
                 // A partner that points elsewhere belongs to another flow.
                 let fwd = fwd.filter(|f| (f.addr, f.port) == (rkey.saddr, rkey.sport));
@@ -166,6 +171,32 @@ pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
         }
     }
     out
+}
+
+/// A closed source-NATed flow whose port the programs gave to another flow (closing and idle
+/// for 10 s, so free) before the scan removed it with the port's entry: nothing leads to its
+/// forward, reply and forward source-NAT entries any more. They go once unused for the hold.
+/// While the port is its own, the port's entry decides (the `CT_DIR_SNAT_REPLY` case).
+fn orphaned_snat_flow<A: Copy + Eq>(
+    (fkey, f): (CtKey<A>, Ct<A>),
+    rkey: CtKey<A>,
+    get: &impl Fn(&CtKey<A>) -> Option<Ct<A>>,
+    old: &impl Fn(u64) -> bool,
+) -> Option<Flow<A>> {
+    let (client, client_port, proto) = (fkey.saddr, fkey.sport, fkey.proto);
+    let skey = key(client, f.addr, client_port, f.port, proto, CT_DIR_SNAT_FWD);
+    let s = get(&skey);
+    let port_ours = s.is_some_and(|s| {
+        let port = get(&key(f.addr, s.addr, f.port, s.port, proto, CT_DIR_SNAT_REPLY));
+        port.is_some_and(|p| (p.addr, p.port) == (client, client_port))
+    });
+    // A reply entry that points elsewhere belongs to another flow.
+    let rep = get(&rkey).filter(|r| (r.addr, r.port) == (fkey.daddr, fkey.dport));
+    let unused = old(f.last_seen_ns) && rep.is_none_or(|r| old(r.last_seen_ns));
+    if port_ours || !unused || (f.addr, f.port) != (rkey.saddr, rkey.sport) {
+        return None;
+    }
+    Some([(fkey, f)].into_iter().chain(rep.map(|r| (rkey, r))).chain(s.map(|s| (skey, s))).collect())
 }
 
 /// One walk of the conntrack maps: their fill, and the closed flows removed.
@@ -403,9 +434,11 @@ mod tests {
         assert!(judge(&map(0, 100 * S), 1_000 * S).is_empty(), "an open source-NAT flow stays");
         assert!(judge(&map(CT_FLAG_SNAT, 100 * S), 109 * S).is_empty(), "closing, used 9 s ago");
         assert_eq!(judge(&map(CT_FLAG_SNAT, 100 * S), 110 * S), vec![vec![snat_reply, rep(), fwd(), snat_fwd]]);
-        // The client's flow has moved on to another port: only the port's entry goes.
+        // The client's flow has moved on to another port (open): only the old port's entry
+        // goes.
         let mut moved = map(CT_FLAG_SNAT, 100 * S);
         moved[2].1.port = nat_port + 1;
+        moved.push((key(BE, NODE, 8080, nat_port + 1, proto, CT_DIR_SNAT_REPLY), ct(CLIENT, 40000, 0, 100 * S)));
         assert_eq!(judge(&moved, 110 * S), vec![vec![snat_reply]]);
     }
 
@@ -429,10 +462,57 @@ mod tests {
     }
 
     #[test]
+    fn a_source_nat_flow_whose_port_went_to_another_flow_goes() {
+        let (nat_port, proto) = (61_500u16, PROTO_TCP);
+        let snat_reply = key(BE, NODE, 8080, nat_port, proto, CT_DIR_SNAT_REPLY);
+        let snat_fwd = key(CLIENT, BE, 40000, 8080, proto, CT_DIR_SNAT_FWD);
+        // The old flow closed at 100 s (the client's FIN marked its forward entry); its port
+        // serves another client since 115 s, or still this one.
+        let map = |(port_client, port_client_port): (u32, u16), fwd_at: u64| {
+            vec![
+                (fwd(), ct(BE, 8080, CT_FLAG_SNAT | CT_FLAG_FIN, fwd_at)),
+                (rep(), ct(FE, 80, 0, 100 * S)),
+                (snat_fwd, ct(NODE, nat_port, 0, fwd_at)),
+                (snat_reply, ct(port_client, port_client_port, 0, 115 * S)),
+            ]
+        };
+        let other = (CLIENT + 1, 41000);
+        assert_eq!(judge(&map(other, 100 * S), 110 * S), vec![vec![fwd(), rep(), snat_fwd]]);
+        assert!(judge(&map(other, 100 * S), 109 * S).is_empty(), "used 9 s ago");
+        assert!(judge(&map(other, 105 * S), 110 * S).is_empty(), "its forward entry used 5 s ago");
+        // The port still its own: the port's rule decides (open here: nothing goes).
+        assert!(judge(&map((CLIENT, 40000), 100 * S), 100_000 * S).is_empty());
+        // Its forward source-NAT entry gone, or its port's entry gone: orphaned as well.
+        let mut gone = map(other, 100 * S);
+        gone.remove(2);
+        assert_eq!(judge(&gone, 110 * S), vec![vec![fwd(), rep()]]);
+        let mut gone = map(other, 100 * S);
+        gone.remove(3);
+        assert_eq!(judge(&gone, 110 * S), vec![vec![fwd(), rep(), snat_fwd]]);
+        // Not marked closed: not looked at (an idle flow; the port's rule decides). Closed by the
+        // backend's RST (its reply entry marked): goes the same.
+        let mut open = map(other, 100 * S);
+        open[0].1.flags = CT_FLAG_SNAT;
+        assert!(judge(&open, 110 * S).is_empty());
+        open[1].1.flags = CT_FLAG_RST;
+        assert_eq!(judge(&open, 110 * S), vec![vec![fwd(), rep(), snat_fwd]]);
+        // A reply entry now another flow's stays.
+        let mut taken = map(other, 100 * S);
+        taken[1].1.addr = FE + 1;
+        assert_eq!(judge(&taken, 110 * S), vec![vec![fwd(), snat_fwd]]);
+    }
+
+    #[test]
     fn source_nat_flows_are_not_judged_by_their_fin_marks() {
-        // A source-NATed flow's forward entry is flagged SNAT; its reply entry may carry FIN
-        // marks from the reverse path, but the port's entry decides.
-        let map = vec![(fwd(), ct(BE, 8080, CT_FLAG_SNAT | CT_FLAG_FIN, 100 * S)), (rep(), ct(FE, 80, CT_FLAG_FIN, 100 * S))];
+        // A source-NATed flow's forward entry is flagged SNAT; its FIN marks and its reply
+        // entry's do not close it while its port is its own: the port's entry decides.
+        let nat_port = 61_500u16;
+        let map = vec![
+            (fwd(), ct(BE, 8080, CT_FLAG_SNAT | CT_FLAG_FIN, 100 * S)),
+            (rep(), ct(FE, 80, CT_FLAG_FIN, 100 * S)),
+            (key(CLIENT, BE, 40000, 8080, PROTO_TCP, CT_DIR_SNAT_FWD), ct(NODE, nat_port, 0, 100 * S)),
+            (key(BE, NODE, 8080, nat_port, PROTO_TCP, CT_DIR_SNAT_REPLY), ct(CLIENT, 40000, 0, 100 * S)),
+        ];
         assert!(judge(&map, 1_000 * S).is_empty());
     }
 

@@ -159,6 +159,9 @@ fn ingress<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
                 // Only source-NAT entries keep their last use: their ports are reused by it.
                 let now = unsafe { bpf_ktime_get_ns() };
                 touch(F::ct_marks(ct).0, now);
+                // The port's entry holds the closing for the programs; this mark lets the
+                // agent find the flow should the port go to another flow before it is removed.
+                note_close::<F>(ct, f.tcp_flags);
                 return Some(snat::established(ctx, f, addr, port, now));
             }
             l4::dnat(ctx, f, addr, port)?;

@@ -220,6 +220,7 @@ pub fn reverse<F: L3>(ctx: &TcContext, f: &Flow<F>) -> Option<i32> {
     };
     let fe = unsafe { &mut *fe };
     touch(F::ct_marks(fe).0, now);
+    super::note_close::<F>(fe, f.tcp_flags);
     let (fe_addr, fe_port, _) = F::ct_target(fe);
     let Some((out_if, _)) = route::<F>(ctx, f.proto, fe_addr, client, false) else {
         stat(Stat::TcSnatFailed);
