@@ -100,3 +100,39 @@ fn node_port_to_a_backend_on_another_node_is_source_natted() {
     assert!(!log.contains("panicked"), "{log}");
     agent.stop();
 }
+
+/// A closed source-NATed flow whose port the programs give to a new flow (closing and idle for
+/// 10 s) before the agent's scan removed it: nothing leads to its other entries from the port
+/// any more, and the scan still finds and removes them (by the close marks on them).
+#[test]
+fn closed_source_natted_flows_leave_conntrack_also_when_their_port_was_reused() {
+    let w = TwoNodes::new(0).unwrap();
+    if !gardenet_agent::dataplane::features::KernelFeatures::probe().fib_lookup_src {
+        eprintln!("no fib_lookup_src on this kernel: no source NAT (the test above checks that)");
+        return;
+    }
+    // First the closed flows stay (left to the LRU), so their ports can be reused.
+    let opts = AgentOpts { extra: ["--tc-interface=a0,a1", "--conntrack-closed-secs=0"].map(String::from).to_vec(), ..Default::default() };
+    let mut agent = Agent::start_in(&w.tag, &w.node, None, opts, &manifests("node3")).unwrap();
+    let np = format!("{NODE_ADDR}:30080");
+    agent.wait_backends(&format!("{np}/tcp"), 1).unwrap();
+    let flows = 400u64;
+    let v = netkit(&w, &["tcp", "--to", &np, "--count", &flows.to_string()]);
+    assert_eq!(counts(&v), [("remote-pod".to_string(), flows)], "{v}");
+    // Past the ports' hold: a new flow whose random first port is one of these takes it (400
+    // of 4,536 ports: ~35 of 400 new flows).
+    std::thread::sleep(Duration::from_secs(11));
+    let v = netkit(&w, &["tcp", "--to", &np, "--count", &flows.to_string()]);
+    assert_eq!(counts(&v), [("remote-pod".to_string(), flows)], "{v}");
+    // Four entries per flow, less one for each port entry a new flow took over (and three for
+    // each client port the client used twice).
+    let (before, _) = agent.conntrack("IPv4").unwrap();
+    assert!((before as u64) < 4 * 2 * flows, "no port went to a new flow: {before} entries");
+    // Now the scan removes closed flows: all of them go, those that lost their port too.
+    agent.set_extra(["--tc-interface=a0,a1", "--conntrack-scan-secs=1", "--conntrack-closed-secs=1"].map(String::from).to_vec());
+    agent.restart_in(&w.node, None).unwrap();
+    let left = agent.wait_conntrack("IPv4", Duration::from_secs(20), |n| n == 0);
+    eprintln!("conntrack (IPv4): {before} entries after {} closed flows, then {left:?}", 2 * flows);
+    left.unwrap();
+    agent.stop();
+}
