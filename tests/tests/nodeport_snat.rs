@@ -36,8 +36,11 @@ fn check_source_natted(w: &TwoNodes, np: &str, node_side: &str) {
     assert_eq!((&b["upload_backend"], &b["download_backend"]), (&"remote-pod".into(), &"remote-pod".into()), "{b}");
     // Redirected packets skip the stack's forwarding, so the node decrements the TTL itself:
     // client -> node -> node3 -> pod is two forwarding hops.
-    for (ttl, ok) in [("2", false), ("3", true)] {
-        let c = netkit(w, &["connect", "--to", np, "--timeout-ms", "1000", "--ttl", ttl]);
+    // The TTL-2 attempt lasts long enough for the client to send its SYN again (after 1 s):
+    // each SYN is balanced afresh and takes a source-NAT port, and the first port must not stay
+    // reserved (the conntrack count below).
+    for (ttl, ok, wait) in [("2", false, "2500"), ("3", true, "1000")] {
+        let c = netkit(w, &["connect", "--to", np, "--timeout-ms", wait, "--ttl", ttl]);
         assert_eq!(c["outcome"] == "Connected", ok, "TTL {ttl}: {c}");
     }
     // UDP: answers come back from the NodePort.
@@ -76,7 +79,7 @@ fn node_port_to_a_backend_on_another_node_is_source_natted() {
     check_source_natted(&w, &np, NODE_TO_NODE3);
     // The closed TCP flows (over 100, four entries each) leave conntrack with their
     // source-NAT ports: what stays is the UDP flows' (20, four entries each, idle for less
-    // than two minutes) and the SYN that ran out of TTL (never closed).
+    // than two minutes) and the SYN that ran out of TTL (never closed; its first port gone).
     let (after, _) = agent.conntrack("IPv4").unwrap();
     let left = agent.wait_conntrack("IPv4", Duration::from_secs(20), |n| n <= 4 * 20 + 4).unwrap();
     eprintln!("conntrack (IPv4): {after} entries after the flows, {left} once the closed ones were removed");

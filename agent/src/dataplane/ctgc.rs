@@ -93,13 +93,14 @@ pub type Entries<A> = Vec<(CtKey<A>, Ct<A>)>;
 /// The entries of one flow that may be removed, with the values they were judged by.
 pub type Flow<A> = Entries<A>;
 
-/// Whether an entry may take part in the scan's decision: a forward or reply entry with a
-/// FIN or RST (source-NATed flows' too), or a closing source-NAT port. Only these are kept
-/// from the walk.
-pub fn marked<A>(k: &CtKey<A>, v: &Ct<A>) -> bool {
+/// Whether an entry may take part in the scan's decision at `now_ns`: a forward or reply
+/// entry with a FIN or RST (source-NATed flows' too), a closing source-NAT port, or a
+/// source-NAT port unused for `hold` (its flow may have taken another port). Only these are
+/// kept from the walk.
+pub fn marked<A>(k: &CtKey<A>, v: &Ct<A>, now_ns: u64, hold: Duration) -> bool {
     match k.dir {
         CT_DIR_FORWARD | CT_DIR_REPLY => v.closed(),
-        CT_DIR_SNAT_REPLY => v.flags & CT_FLAG_SNAT != 0,
+        CT_DIR_SNAT_REPLY => v.flags & CT_FLAG_SNAT != 0 || now_ns.saturating_sub(v.last_seen_ns) >= hold.as_nanos() as u64,
         _ => false,
     }
 }
@@ -147,6 +148,15 @@ pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
                 let closed_at = fwd.iter().chain(rep.iter()).map(|e| e.last_seen_ns).max().unwrap_or(0);
                 if (rst || (fin(fwd) && fin(rep))) && old(closed_at) {
                     out.push(fwd.map(|f| (fkey, f)).into_iter().chain(rep.map(|r| (rkey, r))).collect());
+                }
+            }
+            CT_DIR_SNAT_REPLY if v.flags & CT_FLAG_SNAT == 0 && old(v.last_seen_ns) => {
+                // An open port unused for `hold` whose flow has another port now: a SYN sent
+                // again is balanced afresh and takes a new port; the old one would stay
+                // reserved for hours.
+                let skey = key(v.addr, k.saddr, v.port, k.sport, k.proto, CT_DIR_SNAT_FWD);
+                if get(&skey).is_some_and(|s| (s.addr, s.port) != (k.daddr, k.dport)) {
+                    out.push(vec![(k, v)]);
                 }
             }
             CT_DIR_SNAT_REPLY if old(v.last_seen_ns) => {
@@ -228,7 +238,7 @@ where
 {
     let ct = open::<V>(pin)?;
     // Only the marked entries are kept.
-    let (entries, found) = walk(&ct, |k, v| hold.is_some() && marked(k, v));
+    let (entries, found) = walk(&ct, |k, v| hold.is_some_and(|h| marked(k, v, now, h)));
     let CtMap { map: mut ct, capacity, .. } = ct;
     let Some(hold) = hold else {
         return Ok((Fill { map: name, entries, capacity }, 0));
@@ -378,7 +388,7 @@ mod tests {
     /// the others read on demand.
     fn judge(map: &[(CtKey<u32>, Ct<u32>)], now: u64) -> Vec<Vec<CtKey<u32>>> {
         let all: HashMap<_, _> = map.iter().copied().collect();
-        let found: Vec<_> = map.iter().copied().filter(|(k, v)| marked(k, v)).collect();
+        let found: Vec<_> = map.iter().copied().filter(|(k, v)| marked(k, v, now, HOLD)).collect();
         closed_flows(&found, |k| all.get(k).copied(), now, HOLD).into_iter().map(|f| f.into_iter().map(|(k, _)| k).collect()).collect()
     }
 
@@ -503,6 +513,29 @@ mod tests {
     }
 
     #[test]
+    fn an_open_port_whose_flow_took_another_port_goes() {
+        // A SYN sent twice: each was balanced afresh and took a port; the flow's entries point
+        // at the second port, the first port's entry still at the client.
+        let (p1, p2, proto) = (61_500u16, 62_000u16, PROTO_TCP);
+        let port = |p: u16, at: u64| (key(BE, NODE, 8080, p, proto, CT_DIR_SNAT_REPLY), ct(CLIENT, 40000, 0, at));
+        let map = |at: u64| {
+            vec![
+                (fwd(), ct(BE, 8080, CT_FLAG_SNAT, at)),
+                (rep(), ct(FE, 80, 0, at)),
+                (key(CLIENT, BE, 40000, 8080, proto, CT_DIR_SNAT_FWD), ct(NODE, p2, 0, at)),
+                port(p1, at),
+                port(p2, at),
+            ]
+        };
+        assert_eq!(judge(&map(100 * S), 110 * S), vec![vec![port(p1, 0).0]]);
+        assert!(judge(&map(100 * S), 109 * S).is_empty(), "used 9 s ago");
+        // Idle open flows on their own ports stay, however long.
+        let mut one = map(100 * S);
+        one.remove(3);
+        assert!(judge(&one, 100_000 * S).is_empty());
+    }
+
+    #[test]
     fn source_nat_flows_are_not_judged_by_their_fin_marks() {
         // A source-NATed flow's forward entry is flagged SNAT; its FIN marks and its reply
         // entry's do not close it while its port is its own: the port's entry decides.
@@ -523,7 +556,7 @@ mod tests {
             (key(c, f, 40000, 80, PROTO_TCP, CT_DIR_FORWARD), Ct { addr: b, port: 8080, flags: CT_FLAG_FIN, last_seen_ns: 100 * S }),
             (key(b, c, 8080, 40000, PROTO_TCP, CT_DIR_REPLY), Ct { addr: f, port: 80, flags: CT_FLAG_FIN, last_seen_ns: 100 * S }),
         ];
-        let found: Vec<_> = map.iter().copied().filter(|(k, v)| marked(k, v)).collect();
+        let found: Vec<_> = map.iter().copied().filter(|(k, v)| marked(k, v, 110 * S, HOLD)).collect();
         assert_eq!(closed_flows(&found, |_| None, 110 * S, HOLD).len(), 1);
     }
 }
