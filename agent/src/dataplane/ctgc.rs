@@ -87,6 +87,36 @@ fn key<A>(saddr: A, daddr: A, sport: u16, dport: u16, proto: u8, dir: u8) -> CtK
     CtKey { saddr, daddr, sport, dport, proto, dir, _pad: 0 }
 }
 
+// How the programs link a flow's entries, each key named by an entry and the value it holds:
+// the forward entry (client -> frontend) names the backend, the reply entry (backend ->
+// client) the frontend; a source-NATed flow's forward source-NAT entry (client -> backend)
+// names the node's address and port, whose port entry (backend -> node:port) names the client.
+
+/// The reply key of the flow whose forward entry this is.
+fn reply_key<A: Copy>(fkey: &CtKey<A>, f: &Ct<A>) -> CtKey<A> {
+    key(f.addr, fkey.saddr, f.port, fkey.sport, fkey.proto, CT_DIR_REPLY)
+}
+
+/// The forward key of the flow whose reply entry this is.
+fn forward_key<A: Copy>(rkey: &CtKey<A>, r: &Ct<A>) -> CtKey<A> {
+    key(rkey.daddr, r.addr, rkey.dport, r.port, rkey.proto, CT_DIR_FORWARD)
+}
+
+/// The forward source-NAT key of the flow with this reply key (client -> backend).
+fn snat_fwd_key<A: Copy>(rkey: &CtKey<A>) -> CtKey<A> {
+    key(rkey.daddr, rkey.saddr, rkey.dport, rkey.sport, rkey.proto, CT_DIR_SNAT_FWD)
+}
+
+/// The port key a forward source-NAT entry names (backend -> node:port).
+fn port_key<A: Copy>(skey: &CtKey<A>, s: &Ct<A>) -> CtKey<A> {
+    key(skey.daddr, s.addr, skey.dport, s.port, skey.proto, CT_DIR_SNAT_REPLY)
+}
+
+/// The reply key of the flow a port entry names (backend -> client).
+fn port_flow_reply_key<A: Copy>(pkey: &CtKey<A>, p: &Ct<A>) -> CtKey<A> {
+    key(pkey.saddr, p.addr, pkey.sport, p.port, pkey.proto, CT_DIR_REPLY)
+}
+
 /// Conntrack entries with their values.
 pub type Entries<A> = Vec<(CtKey<A>, Ct<A>)>;
 
@@ -124,11 +154,7 @@ pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
             CT_DIR_FORWARD | CT_DIR_REPLY => {
                 // The pair, named by its forward key: a forward entry points at the backend
                 // (whose reply entry points back at the frontend), a reply entry the other way.
-                let (fkey, rkey) = if k.dir == CT_DIR_FORWARD {
-                    (k, key(v.addr, k.saddr, v.port, k.sport, k.proto, CT_DIR_REPLY))
-                } else {
-                    (key(k.daddr, v.addr, k.dport, v.port, k.proto, CT_DIR_FORWARD), k)
-                };
+                let (fkey, rkey) = if k.dir == CT_DIR_FORWARD { (k, reply_key(&k, &v)) } else { (forward_key(&k, &v), k) };
                 if !seen.insert(fkey) {
                     continue;
                 }
@@ -140,8 +166,8 @@ pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
                     continue;
                 }
                 // A partner that points elsewhere belongs to another flow.
-                let fwd = fwd.filter(|f| (f.addr, f.port) == (rkey.saddr, rkey.sport));
-                let rep = get(&rkey).filter(|r| (r.addr, r.port) == (fkey.daddr, fkey.dport));
+                let fwd = fwd.filter(|f| reply_key(&fkey, f) == rkey);
+                let rep = get(&rkey).filter(|r| forward_key(&rkey, r) == fkey);
                 let rst = fwd.is_some_and(|f| f.flags & CT_FLAG_RST != 0) || rep.is_some_and(|r| r.flags & CT_FLAG_RST != 0);
                 // Each direction's FIN; a direction whose entry is gone cannot carry the flow.
                 let fin = |e: Option<Ct<A>>| e.is_none_or(|e| e.flags & CT_FLAG_FIN != 0);
@@ -154,8 +180,8 @@ pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
                 // An open port unused for `hold` whose flow has another port now: a SYN sent
                 // again is balanced afresh and takes a new port; the old one would stay
                 // reserved for hours.
-                let skey = key(v.addr, k.saddr, v.port, k.sport, k.proto, CT_DIR_SNAT_FWD);
-                if get(&skey).is_some_and(|s| (s.addr, s.port) != (k.daddr, k.dport)) {
+                let skey = snat_fwd_key(&port_flow_reply_key(&k, &v));
+                if get(&skey).is_some_and(|s| port_key(&skey, &s) != k) {
                     out.push(vec![(k, v)]);
                 }
             }
@@ -164,13 +190,11 @@ pub fn closed_flows<A: Copy + Eq + std::hash::Hash>(
                 // new flow by now), and the flow it belongs to: reply, forward, forward source
                 // NAT, each only if it still points along the chain.
                 let mut flow = vec![(k, v)];
-                let (be, be_port, client, client_port) = (k.saddr, k.sport, v.addr, v.port);
-                let rkey = key(be, client, be_port, client_port, k.proto, CT_DIR_REPLY);
+                let rkey = port_flow_reply_key(&k, &v);
                 if let Some(r) = get(&rkey) {
-                    let fkey = key(client, r.addr, client_port, r.port, k.proto, CT_DIR_FORWARD);
-                    let skey = key(client, be, client_port, be_port, k.proto, CT_DIR_SNAT_FWD);
-                    let s = get(&skey).filter(|s| (s.addr, s.port) == (k.daddr, k.dport));
-                    let f = get(&fkey).filter(|f| f.flags & CT_FLAG_SNAT != 0 && (f.addr, f.port) == (be, be_port));
+                    let (fkey, skey) = (forward_key(&rkey, &r), snat_fwd_key(&rkey));
+                    let s = get(&skey).filter(|s| port_key(&skey, s) == k);
+                    let f = get(&fkey).filter(|f| f.flags & CT_FLAG_SNAT != 0 && reply_key(&fkey, f) == rkey);
                     if let (Some(s), Some(f)) = (s, f) {
                         flow.extend([(rkey, r), (fkey, f), (skey, s)]);
                     }
@@ -193,17 +217,16 @@ fn orphaned_snat_flow<A: Copy + Eq>(
     get: &impl Fn(&CtKey<A>) -> Option<Ct<A>>,
     old: &impl Fn(u64) -> bool,
 ) -> Option<Flow<A>> {
-    let (client, client_port, proto) = (fkey.saddr, fkey.sport, fkey.proto);
-    let skey = key(client, f.addr, client_port, f.port, proto, CT_DIR_SNAT_FWD);
+    let skey = snat_fwd_key(&rkey);
     let s = get(&skey);
     let port_ours = s.is_some_and(|s| {
-        let port = get(&key(f.addr, s.addr, f.port, s.port, proto, CT_DIR_SNAT_REPLY));
-        port.is_some_and(|p| (p.addr, p.port) == (client, client_port))
+        let pkey = port_key(&skey, &s);
+        get(&pkey).is_some_and(|p| port_flow_reply_key(&pkey, &p) == rkey)
     });
     // A reply entry that points elsewhere belongs to another flow.
-    let rep = get(&rkey).filter(|r| (r.addr, r.port) == (fkey.daddr, fkey.dport));
+    let rep = get(&rkey).filter(|r| forward_key(&rkey, r) == fkey);
     let unused = old(f.last_seen_ns) && rep.is_none_or(|r| old(r.last_seen_ns));
-    if port_ours || !unused || (f.addr, f.port) != (rkey.saddr, rkey.sport) {
+    if port_ours || !unused || reply_key(&fkey, &f) != rkey {
         return None;
     }
     Some([(fkey, f)].into_iter().chain(rep.map(|r| (rkey, r))).chain(s.map(|s| (skey, s))).collect())
@@ -340,15 +363,14 @@ fn departed<A: Addr>(k: &CtKey<A>, v: &Ct<A>) -> Departed {
 pub fn flow_keys<A: Copy>(forward: &[(CtKey<A>, Ct<A>)], lookup: impl Fn(&CtKey<A>) -> Option<Ct<A>>) -> Vec<CtKey<A>> {
     let mut out = Vec::new();
     for &(k, v) in forward {
-        let (be, be_port) = (v.addr, v.port);
-        out.push(k);
-        out.push(key(be, k.saddr, be_port, k.sport, k.proto, CT_DIR_REPLY));
+        let rkey = reply_key(&k, &v);
+        out.extend([k, rkey]);
         if v.flags & CT_FLAG_SNAT != 0 {
-            let fwd = key(k.saddr, be, k.sport, be_port, k.proto, CT_DIR_SNAT_FWD);
-            if let Some(n) = lookup(&fwd) {
-                out.push(key(be, n.addr, be_port, n.port, k.proto, CT_DIR_SNAT_REPLY));
+            let skey = snat_fwd_key(&rkey);
+            if let Some(s) = lookup(&skey) {
+                out.push(port_key(&skey, &s));
             }
-            out.push(fwd);
+            out.push(skey);
         }
     }
     out
