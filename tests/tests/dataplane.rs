@@ -79,11 +79,7 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
 
 fn backend_removal(socket_lb: bool) {
     let (lab, agent) = setup(AgentOpts { socket_lb: true, tc: !socket_lb, ..Default::default() }, &[0, 1, 2]);
-    let mut hold = lab.client_cmd(socket_lb, &["hold", "--to", &vip(), "--conns", "12"]).unwrap().stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    let mut out = BufReader::new(hold.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let before: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let (held, held_out, before) = hold(&lab, socket_lb, 12);
     eprintln!("held connections: {before}");
 
     // be2 leaves the EndpointSlice.
@@ -100,12 +96,8 @@ fn backend_removal(socket_lb: bool) {
     assert!(c.iter().all(|(n, _)| n != "be2"), "no new connection may reach the removed backend: {v}");
     assert_eq!(c.iter().map(|(_, n)| n).sum::<u64>(), 100, "{v}");
 
-    hold.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    let after: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let after = release(held, held_out);
     eprintln!("held connections after the update: {after}");
-    let _ = hold.wait();
     let names = after["names"].as_array().unwrap();
     let again = after["after"].as_array().unwrap();
     for (n, a) in names.iter().zip(again) {
@@ -214,11 +206,7 @@ fn established_flows_survive_a_conntrack_map_at_ninety_percent() {
     let _g = serial();
     let extra = vec!["--map-conntrack=4096".into(), "--conntrack-scan-secs=1".into()];
     let (lab, mut agent) = setup(AgentOpts { tc: true, extra, ..Default::default() }, &[0, 1, 2]);
-    let mut hold = lab.client_cmd(false, &["hold", "--to", &vip(), "--conns", "20"]).unwrap().stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    let mut out = BufReader::new(hold.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let before: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let (held, held_out, before) = hold(&lab, false, 20);
 
     // Short flows: one datagram from a fresh socket each (a new conntrack flow), in rounds of
     // 200 until the map is at least 90% full (bounded: 30 rounds).
@@ -243,12 +231,8 @@ fn established_flows_survive_a_conntrack_map_at_ninety_percent() {
     }
 
     // Every established flow still works, on the backend it had.
-    hold.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    let after: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let after = release(held, held_out);
     assert_eq!(after["after"], before["names"], "established flows kept their backends: {after}");
-    hold.wait().unwrap();
     agent.stop();
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("tc_ct_insert_failed=0"), "{log}");
@@ -263,7 +247,7 @@ fn closed_tcp_flows_leave_conntrack_while_idle_and_half_closed_ones_stay() {
     let _g = serial();
     let extra = vec!["--conntrack-scan-secs=1".into(), "--conntrack-closed-secs=1".into()];
     let (lab, agent) = setup(AgentOpts { tc: true, extra, ..Default::default() }, &[0, 1, 2]);
-    let (idle_p, idle_out, idle_before) = hold_with(&lab, false, 12, &[]);
+    let (idle_p, idle_out, idle_before) = hold(&lab, false, 12);
     let (half_p, half_out, half_before) = hold_with(&lab, false, 6, &["--half-close-ms", "6000"]);
     let open = conntrack_fill(&agent).0;
     assert_eq!(open, 2 * 18, "a forward and a reply entry per open flow");
@@ -321,7 +305,11 @@ fn an_upgrade_onto_maps_of_another_size_keeps_established_connections() {
     let opts = AgentOpts { socket_lb: true, tc: true, keep_links: true, extra: vec!["--map-conntrack=4096".into()], ..Default::default() };
     let (lab, mut agent) = setup(opts, &[0, 1, 2]);
     let (tc_p, tc_out, tc_before) = hold(&lab, false, 12);
-    let (sock_p, sock_out, sock_before) = hold(&lab, true, 12);
+    // Socket LB connects client:P straight to backend:8080, which is exactly the backend side
+    // of a TC LB flow from client:P; sharing an ephemeral port, the programs would take it for
+    // the TC flow's client reusing its port and forget that flow. Ports below the ephemeral
+    // range keep the two holds apart.
+    let (sock_p, sock_out, sock_before) = hold_with(&lab, true, 12, &["--bind-port-base", "20000"]);
     std::fs::remove_file(agent.bpffs.join("GN_LAYOUT")).unwrap();
     agent.set_extra(vec!["--map-conntrack=8192".into()]);
     agent.restart(&lab).unwrap();

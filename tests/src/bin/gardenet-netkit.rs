@@ -166,6 +166,10 @@ enum Cmd {
         /// server's answer only this many milliseconds later (the check reads it).
         #[arg(long)]
         half_close_ms: Option<u64>,
+        /// Bind connection i to local port BASE+i instead of an ephemeral one, so two holds
+        /// from one address (one through socket LB, one through TC LB) never share a port.
+        #[arg(long)]
+        bind_port_base: Option<u16>,
     },
 }
 
@@ -187,7 +191,10 @@ fn main() -> Result<()> {
         Cmd::Peername { to, udp } => peername(to, udp),
         Cmd::Connect { to, timeout_ms, ttl, ipv6_dstopts, hello } => connect(to, Duration::from_millis(timeout_ms), ttl, ipv6_dstopts, hello),
         Cmd::Bulk { to, bytes, pace_ms, download } => bulk(to, bytes.min(1 << 30), pace_ms, download.unwrap_or(bytes).min(1 << 30)),
-        Cmd::Hold { to, conns, busy_every, half_close_ms } => hold(to, conns.min(1000), busy_every.filter(|n| *n > 0), half_close_ms.map(|ms| ms.min(60_000))),
+        Cmd::Hold { to, conns, busy_every, half_close_ms, bind_port_base } => {
+            let opts = HoldOpts { busy_every: busy_every.filter(|n| *n > 0), half_close_ms: half_close_ms.map(|ms| ms.min(60_000)), bind_port_base };
+            hold(to, conns.min(1000), opts)
+        }
         Cmd::HttpGet { to, path } => http_get(to, &path),
         Cmd::Stream { to, seconds } => stream(to, seconds.clamp(0.1, 60.0)),
         Cmd::Soak { to, from, streams, chunk, pace_ms, interval_ms, timeout_ms, max_seconds } => soak(
@@ -647,13 +654,21 @@ fn bulk(to: SocketAddr, bytes: u64, pace_ms: u64, download: u64) -> Result<()> {
     Ok(())
 }
 
-fn hold(to: SocketAddr, conns: u32, busy_every: Option<u32>, half_close_ms: Option<u64>) -> Result<()> {
+struct HoldOpts {
+    busy_every: Option<u32>,
+    half_close_ms: Option<u64>,
+    bind_port_base: Option<u16>,
+}
+
+fn hold(to: SocketAddr, conns: u32, opts: HoldOpts) -> Result<()> {
     const UNREAD: usize = 1000;
+    let HoldOpts { busy_every, half_close_ms, bind_port_base } = opts;
     let mut socks = Vec::new();
     let mut names = Vec::new();
     let mut busy = Vec::new();
     for i in 0..conns {
-        let s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).context("connect")?;
+        let port = bind_port_base.map(|b| u16::try_from(u32::from(b) + i).context("--bind-port-base + --conns is above 65535")).transpose()?;
+        let s = dial_from(to, Duration::from_secs(2), None, port).context("connect")?;
         s.set_read_timeout(Some(Duration::from_secs(3)))?;
         (&s).write_all(b"PING\n")?;
         let mut r = BufReader::new(s.try_clone()?);
