@@ -419,6 +419,19 @@ mod tests {
     }
 
     #[test]
+    fn the_key_helpers_follow_a_source_nated_flow_both_ways() {
+        let (f, r) = (ct(BE, 8080, CT_FLAG_SNAT, 0), ct(FE, 80, 0, 0));
+        let (s, port) = (ct(NODE, 61_500, 0, 0), ct(CLIENT, 40000, 0, 0));
+        let skey = key(CLIENT, BE, 40000, 8080, PROTO_TCP, CT_DIR_SNAT_FWD);
+        let pkey = key(BE, NODE, 8080, 61_500, PROTO_TCP, CT_DIR_SNAT_REPLY);
+        assert_eq!(reply_key(&fwd(), &f), rep());
+        assert_eq!(forward_key(&rep(), &r), fwd());
+        assert_eq!(snat_fwd_key(&rep()), skey);
+        assert_eq!(port_key(&skey, &s), pkey);
+        assert_eq!(port_flow_reply_key(&pkey, &port), rep(), "and from the port back to the flow");
+    }
+
+    #[test]
     fn a_flow_closed_both_ways_goes_after_the_hold() {
         let map = pair(CT_FLAG_FIN, 100 * S, CT_FLAG_FIN, 101 * S);
         assert!(judge(&map, 110 * S).is_empty(), "the last FIN is 9 s old");
