@@ -10,9 +10,11 @@
 //!
 //! Phases (each measures "direct" interleaved with its mode, as a control):
 //!   A. agent with socket LB on the lab cgroup, no TC: direct (client outside the cgroup,
-//!      no datapath on its path) and socket LB (client inside the cgroup -> VIP);
+//!      no datapath on its path; backends in turn, and each connection to a random backend as
+//!      the LB picks them) and socket LB (client inside the cgroup -> VIP);
 //!   B. agent with TC LB on `nc0`, no socket LB: TC LB (client -> VIP) and direct from the lab's
-//!      side client (its link has no datapath attached), then a short probe of direct
+//!      side client (its link has no datapath attached; in turn, at random, and to one backend
+//!      only, one destination as the VIP is), then a short probe of direct
 //!      connections from the main client (which stale TC conntrack entries can break, see
 //!      `stale_ct_probe`);
 //!   C. no agent: kube-proxy-style nat ruleset loaded with iptables-restore in the node
@@ -230,13 +232,25 @@ fn parse_cpu_line(line: &str) -> Option<(u64, u64)> {
     Some((busy, busy + idle + iowait))
 }
 
+/// How a direct run spreads its connections over the backends.
+#[derive(Clone, Copy, PartialEq)]
+enum Pick {
+    /// Each backend in turn.
+    Turn,
+    /// A uniformly random backend per connection, as the LB's own pick spreads them.
+    Random,
+    /// The first backend only: one destination address and port for every connection, as
+    /// a client of a VIP has (its ephemeral ports are chosen per destination).
+    One,
+}
+
 /// Where a measured client connects to.
 #[derive(Clone)]
 enum Target {
-    /// A backend IP directly (rotates over the backends run by run).
-    Direct,
+    /// A backend IP directly (the stream rotates over the backends run by run).
+    Direct(Pick),
     /// The same from the lab's side client, whose link has no datapath attached (phase B).
-    DirectSide,
+    DirectSide(Pick),
     Vip(String),
 }
 
@@ -250,17 +264,34 @@ impl Mode {
     /// One address: a backend (rotating run by run) or the VIP.
     fn to(&self, run: usize) -> String {
         match &self.target {
-            Target::Direct | Target::DirectSide => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
+            Target::Direct(_) | Target::DirectSide(_) => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
             Target::Vip(v) => format!("{v}:{PORT}"),
         }
     }
 
-    /// Where a connection run goes: "direct" spreads its connections over all backends in
-    /// turn, so it reaches the same servers as the load-balanced modes (like for like).
+    /// Where a connection run goes: "direct" spreads its connections over all backends (in
+    /// turn or at random), so it reaches the same servers as the load-balanced modes.
     fn to_all(&self) -> String {
         match &self.target {
-            Target::Direct | Target::DirectSide => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
+            Target::Direct(Pick::One) | Target::DirectSide(Pick::One) => self.to(0),
+            Target::Direct(_) | Target::DirectSide(_) => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
             Target::Vip(_) => self.to(0),
+        }
+    }
+
+    /// Backends that answer a run of this mode.
+    fn answering(&self) -> usize {
+        match self.target {
+            Target::Direct(Pick::One) | Target::DirectSide(Pick::One) => 1,
+            _ => nbe(),
+        }
+    }
+
+    /// The netkit `tcp` flags of the pick.
+    fn pick_args(&self) -> &'static [&'static str] {
+        match self.target {
+            Target::Direct(Pick::Random) | Target::DirectSide(Pick::Random) => &["--random"],
+            _ => &[],
         }
     }
 }
@@ -315,7 +346,7 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
 /// A mode's client run: the main client (in the cgroup or not), or the side client.
 fn mode_json(lab: &Lab, m: &Mode, args: &[&str]) -> Result<serde_json::Value> {
     match m.target {
-        Target::DirectSide => run_json(lab.side_client_cmd(args)?, args),
+        Target::DirectSide(_) => run_json(lab.side_client_cmd(args)?, args),
         _ => client_json(lab, m.in_cgroup, args),
     }
 }
@@ -352,7 +383,10 @@ fn run_json(mut cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
 fn tcp_run(lab: &Lab, m: &Mode, count: u32) -> Result<(f64, u64, serde_json::Value)> {
     check_stop()?;
     let to = m.to_all();
-    let v = mode_json(lab, m, &["tcp", "--to", &to, "--count", &count.to_string(), "--timeout-ms", "2000"])?;
+    let count_s = count.to_string();
+    let mut a = vec!["tcp", "--to", &to, "--count", &count_s, "--timeout-ms", "2000"];
+    a.extend_from_slice(m.pick_args());
+    let v = mode_json(lab, m, &a)?;
     let errors: u64 = v["errors"].as_object().into_iter().flatten().map(|(_, n)| n.as_u64().unwrap_or(0)).sum();
     let answered: u64 = counts(&v).iter().map(|(_, n)| n).sum();
     if answered + errors != count as u64 {
@@ -402,7 +436,7 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results, 
     for m in modes {
         let (_, errors, v) = tcp_run(lab, m, 60)?;
         let c = counts(&v);
-        let want = nbe();
+        let want = m.answering();
         if errors > 0 || c.len() != want {
             bail!("{} with {n} services: sanity check failed (expected {want} backend(s) answering, no errors): {v}", m.row);
         }
@@ -473,12 +507,15 @@ fn streams(lab: &Lab, modes: &[&Mode], n: usize, args: &Args, res: &mut Results)
 }
 
 const ROW_DIRECT: &str = "direct (backend IP)";
+const ROW_DIRECT_RANDOM: &str = "direct (random backend IP)";
 const ROW_SOCK: &str = "socket LB";
 const ROW_TC: &str = "TC LB";
 const ROW_NFT: &str = "nftables (kube-proxy nftables mode)";
 const ROW_NFT_CTL: &str = "direct, nftables rules loaded";
 const CTL_DIRECT_A: &str = "direct, no datapath (phase A)";
 const CTL_DIRECT_B: &str = "direct, no datapath, side client (phase B)";
+const CTL_DIRECT_B_RANDOM: &str = "direct to a random backend, no datapath, side client (phase B)";
+const CTL_DIRECT_B_ONE: &str = "direct to one backend, no datapath, side client (phase B)";
 
 fn ipt_row(b: &IptBackend) -> String {
     format!("iptables ({})", b.label)
@@ -765,10 +802,13 @@ fn phase_socket_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         res.timing(format!("phase A: manifest rewritten with {n} services -> all programmed (lb list)"), d);
         wait_quiet(&agent, &format!("phase A: {n} services"), res)?;
         let v = vip(measured(n));
-        let modes =
-            [Mode { row: ROW_DIRECT.into(), in_cgroup: false, target: Target::Direct }, Mode { row: ROW_SOCK.into(), in_cgroup: true, target: Target::Vip(v) }];
+        let modes = [
+            Mode { row: ROW_DIRECT.into(), in_cgroup: false, target: Target::Direct(Pick::Turn) },
+            Mode { row: ROW_DIRECT_RANDOM.into(), in_cgroup: false, target: Target::Direct(Pick::Random) },
+            Mode { row: ROW_SOCK.into(), in_cgroup: true, target: Target::Vip(v) },
+        ];
         measure(lab, &modes, n, args, res, false)?;
-        streams(lab, &[&modes[0], &modes[1]], n, args, res)?;
+        streams(lab, &[&modes[0], &modes[2]], n, args, res)?;
     }
     Ok(())
 }
@@ -809,7 +849,9 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         // conntrack entries, see `stale_ct_probe`): the control runs from the side client.
         let modes = [
             Mode { row: ROW_TC.into(), in_cgroup: false, target: Target::Vip(vip(measured(n))) },
-            Mode { row: CTL_DIRECT_B.into(), in_cgroup: false, target: Target::DirectSide },
+            Mode { row: CTL_DIRECT_B.into(), in_cgroup: false, target: Target::DirectSide(Pick::Turn) },
+            Mode { row: CTL_DIRECT_B_RANDOM.into(), in_cgroup: false, target: Target::DirectSide(Pick::Random) },
+            Mode { row: CTL_DIRECT_B_ONE.into(), in_cgroup: false, target: Target::DirectSide(Pick::One) },
         ];
         measure(lab, &modes, n, args, res, false)?;
         streams(lab, &[&modes[0]], n, args, res)?;
@@ -853,7 +895,7 @@ fn phase_iptables(lab: &Lab, args: &Args, backends: &[IptBackend], res: &mut Res
             let mut g = IptRules::load(&lab.node, b, &rules)?;
             res.timing(format!("iptables-{}: {} restore of {n} services ({} lines)", b.label, b.restore, rules.lines().count()), t0.elapsed());
             let modes = [
-                Mode { row: ipt_ctl_row(b), in_cgroup: false, target: Target::Direct },
+                Mode { row: ipt_ctl_row(b), in_cgroup: false, target: Target::Direct(Pick::Turn) },
                 Mode { row: ipt_row(b), in_cgroup: false, target: Target::Vip(vip(measured(n))) },
             ];
             measure(lab, &modes, n, args, res, false)?;
@@ -904,7 +946,7 @@ fn phase_nftables(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         last = Some((n, took));
         res.timing(format!("nftables: `nft -f` of {n} services ({} commands, one transaction)", rules.lines().count()), took);
         let modes = [
-            Mode { row: ROW_NFT_CTL.into(), in_cgroup: false, target: Target::Direct },
+            Mode { row: ROW_NFT_CTL.into(), in_cgroup: false, target: Target::Direct(Pick::Turn) },
             Mode { row: ROW_NFT.into(), in_cgroup: false, target: Target::Vip(vip(measured(n))) },
         ];
         measure(lab, &modes, n, args, res, false)?;
@@ -966,7 +1008,7 @@ fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     let _stats = gardenet_tests::bpfstats::enable()?;
     let tc = Target::Vip(vip(measured(n)));
     // Baseline: nothing of ours on the path.
-    let base = Mode { row: abl_row(ABL_NONE, "direct"), in_cgroup: false, target: Target::Direct };
+    let base = Mode { row: abl_row(ABL_NONE, "direct"), in_cgroup: false, target: Target::Direct(Pick::Turn) };
     measure(lab, std::slice::from_ref(&base), n, args, res, true)?;
     res.ablation.push((ABL_NONE.into(), vec![base.row.clone()]));
     for a in ABLATIONS {
@@ -984,7 +1026,7 @@ fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         }
         wait_programmed(&agent, n, Instant::now(), Duration::from_secs(args.program_timeout_s))?;
         wait_quiet(&agent, &format!("ablation, {}", a.label), res)?;
-        let mut modes = vec![Mode { row: abl_row(a.label, "direct"), in_cgroup: false, target: Target::Direct }];
+        let mut modes = vec![Mode { row: abl_row(a.label, "direct"), in_cgroup: false, target: Target::Direct(Pick::Turn) }];
         if a.no_egress {
             let links = agent.bpffs.join("links");
             let mut n_detached = 0;
@@ -1307,6 +1349,14 @@ fn median_interval(v: &[f64], min_coverage: f64) -> Option<(f64, f64, f64)> {
     best
 }
 
+/// The rows of the main tables and of the plot, one per mode.
+fn mode_rows(backends: &[IptBackend]) -> Vec<String> {
+    let mut rows = vec![ROW_DIRECT.to_string(), ROW_DIRECT_RANDOM.into(), ROW_SOCK.into(), ROW_TC.into()];
+    rows.extend(backends.iter().map(ipt_row));
+    rows.push(ROW_NFT.into());
+    rows
+}
+
 fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, String)]) -> String {
     let mut o = String::new();
     o.push_str("## Dataplane benchmark\n\n");
@@ -1318,16 +1368,17 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
          by one client; ± is half the min-max range relative to the median\n\n",
         args.runs, args.count
     ));
-    let mut rows = vec![ROW_DIRECT.to_string(), ROW_SOCK.into(), ROW_TC.into()];
-    rows.extend(backends.iter().map(ipt_row));
-    rows.push(ROW_NFT.into());
+    let rows = mode_rows(backends);
     o.push_str("### TCP connections per second\n\n");
     table(&mut o, res, &rows, &args.services);
     o.push('\n');
     for &n in &args.services {
         ratio_line(&mut o, "socket LB / direct", res, (ROW_SOCK, ROW_DIRECT), n, 0.97, true);
+        ratio_line(&mut o, "socket LB / direct to a random backend", res, (ROW_SOCK, ROW_DIRECT_RANDOM), n, 0.97, true);
         ratio_line(&mut o, "TC LB / direct", res, (ROW_TC, ROW_DIRECT), n, 0.90, false);
         ratio_line(&mut o, "TC LB / direct measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B), n, 0.90, true);
+        ratio_line(&mut o, "TC LB / direct to a random backend measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B_RANDOM), n, 0.90, true);
+        ratio_line(&mut o, "TC LB / direct to one backend measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B_ONE), n, 0.90, true);
     }
     if let Some(b) = backends.iter().find(|b| b.label == "nft") {
         if args.services.contains(&10_000) {
@@ -1403,7 +1454,7 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         }
     }
     o.push_str("\n### Controls\n\n\"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
-    let mut ctl = vec![ROW_DIRECT.to_string(), CTL_DIRECT_B.into()];
+    let mut ctl = vec![ROW_DIRECT.to_string(), CTL_DIRECT_B.into(), CTL_DIRECT_B_RANDOM.into(), CTL_DIRECT_B_ONE.into()];
     ctl.extend(backends.iter().map(ipt_ctl_row));
     ctl.push(ROW_NFT_CTL.into());
     let ctl_table = {
@@ -1441,9 +1492,7 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
 /// The figures the plot needs, as JSON: {"services": [...], "modes": {row: [{"services",
 /// "conn_per_s", "p99_us"}, ...]}}.
 fn plot_data(res: &Results, args: &Args, backends: &[IptBackend]) -> serde_json::Value {
-    let mut rows = vec![ROW_DIRECT.to_string(), ROW_SOCK.into(), ROW_TC.into()];
-    rows.extend(backends.iter().map(ipt_row));
-    rows.push(ROW_NFT.into());
+    let rows = mode_rows(backends);
     let mut modes = serde_json::Map::new();
     for r in rows {
         let pts: Vec<serde_json::Value> = args

@@ -13,6 +13,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -35,7 +36,8 @@ enum Cmd {
         addr: Option<std::net::IpAddr>,
     },
     /// COUNT TCP connections (connect, one request, one reply, close); counts answers by name.
-    /// With several `--to` (comma-separated), connection i goes to the (i mod n)-th.
+    /// With several `--to` (comma-separated), connection i goes to the (i mod n)-th, or with
+    /// `--random` to one picked uniformly at random (as a load balancer picks a backend).
     Tcp {
         #[arg(long, value_delimiter = ',', required = true)]
         to: Vec<SocketAddr>,
@@ -46,6 +48,9 @@ enum Cmd {
         /// Connect from this local port (SO_REUSEADDR), e.g. to reuse a 4-tuple on purpose.
         #[arg(long)]
         bind_port: Option<u16>,
+        /// Each connection to a uniformly random `--to` instead of the next in turn.
+        #[arg(long)]
+        random: bool,
     },
     /// COUNT datagrams from one unconnected UDP socket; counts answers by name and by source.
     Udp {
@@ -177,7 +182,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Serve { name, port, addr: Some(addr) } => serve_on(&name, addr, port),
         Cmd::Serve { name, port, addr: None } => serve(&name, port),
-        Cmd::Tcp { to, count, timeout_ms, bind_port } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port),
+        Cmd::Tcp { to, count, timeout_ms, bind_port, random } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port, random),
         Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port, interval_ms, trace, connected } => {
             let mode = if fresh_socket {
                 UdpMode::Fresh
@@ -413,16 +418,21 @@ fn request_from(to: SocketAddr, timeout: Duration, from: Option<std::net::IpAddr
     Ok(line.trim().to_owned())
 }
 
-fn tcp(to: Vec<SocketAddr>, count: u32, timeout: Duration, bind_port: Option<u16>) -> Result<()> {
+fn tcp(to: Vec<SocketAddr>, count: u32, timeout: Duration, bind_port: Option<u16>, random: bool) -> Result<()> {
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
     // Per answered connection: connect() start to the first byte of the reply, as the
     // Kubernetes blog on kube-proxy's nftables mode measures "first packet" latency.
     let mut latencies_us: Vec<f64> = Vec::with_capacity(count as usize);
+    // A random pick spreads connections over the backends the way the LB's own pick does (no
+    // regular pattern for caches or for TIME_WAIT reuse to favour), so a direct run compares
+    // like with like.
+    let mut rng = SmallRng::from_entropy();
     let t0 = Instant::now();
     for i in 0..count {
+        let target = if random { to[rng.gen_range(0..to.len())] } else { to[i as usize % to.len()] };
         let t = Instant::now();
-        match request(to[i as usize % to.len()], timeout, bind_port) {
+        match request(target, timeout, bind_port) {
             Ok(n) => {
                 latencies_us.push(t.elapsed().as_secs_f64() * 1e6);
                 *counts.entry(n).or_default() += 1
