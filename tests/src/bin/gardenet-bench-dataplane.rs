@@ -1677,6 +1677,22 @@ mod tests {
     }
 
     #[test]
+    fn direct_picks_reach_the_backends_they_name() {
+        let _ = NBE_CELL.set(3);
+        let m = |target| Mode { row: String::new(), in_cgroup: false, target };
+        let all = format!("{b0}:{SERVER_PORT},{b1}:{SERVER_PORT},{b2}:{SERVER_PORT}", b0 = backend_ip(0), b1 = backend_ip(1), b2 = backend_ip(2));
+        for (t, to, answering, flags) in [
+            (Target::Direct(Pick::Turn), all.clone(), 3, &[][..]),
+            (Target::DirectSide(Pick::Random), all.clone(), 3, &["--random"][..]),
+            (Target::DirectSide(Pick::One), format!("{}:{SERVER_PORT}", backend_ip(0)), 1, &[][..]),
+            (Target::Vip("198.19.0.1".into()), format!("198.19.0.1:{PORT}"), 3, &[][..]),
+        ] {
+            let m = m(t);
+            assert_eq!((m.to_all(), m.answering(), m.pick_args()), (to, answering, flags));
+        }
+    }
+
+    #[test]
     fn cpu_line_of_proc_stat() {
         assert_eq!(parse_cpu_line("cpu  100 5 50 800 10 3 2 7 0 0"), Some((160, 970)));
         assert_eq!(parse_cpu_line("cpu0 1 2 3 4 5 6 7"), None);
