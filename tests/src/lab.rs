@@ -9,6 +9,7 @@
 //!  n0 198.18.2.2/24 ── veth ── nn0 198.18.2.1/24 (the node's address for NodePorts)
 //!  side client ns (only with `add_side_client`)
 //!  c1 198.18.3.2/24 ── veth ── nc1 198.18.3.1/24
+//!  198.18.4.1/32 on every backend's lo (only with `add_shared_address`), ECMP on the node
 //! ```
 //! The client routes 198.18.1.0/24 (pods) and 198.19.0.0/16 (service VIPs) via the node;
 //! backends route the client subnet via the node. No namespace has a default route.
@@ -35,6 +36,8 @@ pub const SERVER_PORT: u16 = 8080;
 /// The side client's address and the node's on its link ([`Lab::add_side_client`]).
 pub const SIDE_CLIENT_IP: &str = "198.18.3.2";
 pub const SIDE_NODE_IP: &str = "198.18.3.1";
+/// An address every backend holds ([`Lab::add_shared_address`]).
+pub const SHARED_IP: &str = "198.18.4.1";
 pub const NODE_NAME: &str = "lab-node";
 /// The node's address towards node2, published in its Node object (NodePorts live here).
 pub const NODE_ADDR: &str = "198.18.2.1";
@@ -147,6 +150,25 @@ impl Lab {
         veth_pair(&self.node, ("nc1", SIDE_NODE_IP), &c, ("c1", SIDE_CLIENT_IP))?;
         c.ip(&["route", "add", "198.18.1.0/24", "via", SIDE_NODE_IP])?;
         self.side_client = Some(c);
+        Ok(())
+    }
+
+    /// [`SHARED_IP`] on every backend's `lo`, and on the node an ECMP route to it over all
+    /// backends that hashes each connection's addresses and ports: a client of it has one
+    /// destination, as a client of a VIP has, yet its connections spread over every server,
+    /// with no translation anywhere. Only the side client routes it (call
+    /// [`Lab::add_side_client`] first), so none of it crosses a datapath.
+    pub fn add_shared_address(&self) -> Result<()> {
+        let c = self.side_client.as_ref().context("the lab has no side client")?;
+        let mut route = vec!["route".to_string(), "add".into(), format!("{SHARED_IP}/32")];
+        for (i, b) in self.backends.iter().enumerate() {
+            b.ip(&["addr", "add", &format!("{SHARED_IP}/32"), "dev", "lo"])?;
+            route.extend(["nexthop", "via", &backend_ip(i), "dev", "br0"].map(String::from));
+        }
+        // Layer 4 hash: connections of one client spread over the nexthops.
+        self.node.sysctl("net.ipv4.fib_multipath_hash_policy", "1")?;
+        self.node.ip(&route.iter().map(String::as_str).collect::<Vec<_>>())?;
+        c.ip(&["route", "add", &format!("{SHARED_IP}/32"), "via", SIDE_NODE_IP])?;
         Ok(())
     }
 

@@ -34,7 +34,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gardenet_tests::{
-    lab::{backend_ip, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT},
+    lab::{backend_ip, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT, SHARED_IP},
     netns::Netns,
 };
 
@@ -233,7 +233,7 @@ fn parse_cpu_line(line: &str) -> Option<(u64, u64)> {
 }
 
 /// How a direct run spreads its connections over the backends.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Pick {
     /// Each backend in turn.
     Turn,
@@ -242,6 +242,10 @@ enum Pick {
     /// The first backend only: one destination address and port for every connection, as
     /// a client of a VIP has (its ephemeral ports are chosen per destination).
     One,
+    /// One address that every backend holds, the node spreading the connections over them by
+    /// an ECMP route (`Lab::add_shared_address`): one destination as with `One`, every server
+    /// as with `Random`, no translation. Side client only.
+    Shared,
 }
 
 /// Where a measured client connects to.
@@ -270,10 +274,12 @@ impl Mode {
     }
 
     /// Where a connection run goes: "direct" spreads its connections over all backends (in
-    /// turn or at random), so it reaches the same servers as the load-balanced modes.
+    /// turn, at random, or by the node's ECMP route to their shared address), so it reaches
+    /// the same servers as the load-balanced modes; or it goes to the first backend only.
     fn to_all(&self) -> String {
         match &self.target {
             Target::Direct(Pick::One) | Target::DirectSide(Pick::One) => self.to(0),
+            Target::Direct(Pick::Shared) | Target::DirectSide(Pick::Shared) => format!("{SHARED_IP}:{SERVER_PORT}"),
             Target::Direct(_) | Target::DirectSide(_) => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
             Target::Vip(_) => self.to(0),
         }
@@ -516,6 +522,7 @@ const CTL_DIRECT_A: &str = "direct, no datapath (phase A)";
 const CTL_DIRECT_B: &str = "direct, no datapath, side client (phase B)";
 const CTL_DIRECT_B_RANDOM: &str = "direct to a random backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_ONE: &str = "direct to one backend, no datapath, side client (phase B)";
+const CTL_DIRECT_B_SHARED: &str = "direct to one address on every backend (ECMP), no datapath, side client (phase B)";
 
 fn ipt_row(b: &IptBackend) -> String {
     format!("iptables ({})", b.label)
@@ -852,6 +859,7 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
             Mode { row: CTL_DIRECT_B.into(), in_cgroup: false, target: Target::DirectSide(Pick::Turn) },
             Mode { row: CTL_DIRECT_B_RANDOM.into(), in_cgroup: false, target: Target::DirectSide(Pick::Random) },
             Mode { row: CTL_DIRECT_B_ONE.into(), in_cgroup: false, target: Target::DirectSide(Pick::One) },
+            Mode { row: CTL_DIRECT_B_SHARED.into(), in_cgroup: false, target: Target::DirectSide(Pick::Shared) },
         ];
         measure(lab, &modes, n, args, res, false)?;
         streams(lab, &[&modes[0]], n, args, res)?;
@@ -1379,6 +1387,15 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         ratio_line(&mut o, "TC LB / direct measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B), n, 0.90, true);
         ratio_line(&mut o, "TC LB / direct to a random backend measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B_RANDOM), n, 0.90, true);
         ratio_line(&mut o, "TC LB / direct to one backend measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B_ONE), n, 0.90, true);
+        ratio_line(
+            &mut o,
+            "TC LB / direct to one address on every backend (ECMP) measured beside it (phase B)",
+            res,
+            (ROW_TC, CTL_DIRECT_B_SHARED),
+            n,
+            0.90,
+            true,
+        );
     }
     if let Some(b) = backends.iter().find(|b| b.label == "nft") {
         if args.services.contains(&10_000) {
@@ -1454,7 +1471,7 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         }
     }
     o.push_str("\n### Controls\n\n\"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
-    let mut ctl = vec![ROW_DIRECT.to_string(), CTL_DIRECT_B.into(), CTL_DIRECT_B_RANDOM.into(), CTL_DIRECT_B_ONE.into()];
+    let mut ctl = vec![ROW_DIRECT.to_string(), CTL_DIRECT_B.into(), CTL_DIRECT_B_RANDOM.into(), CTL_DIRECT_B_ONE.into(), CTL_DIRECT_B_SHARED.into()];
     ctl.extend(backends.iter().map(ipt_ctl_row));
     ctl.push(ROW_NFT_CTL.into());
     let ctl_table = {
@@ -1608,6 +1625,7 @@ fn main() -> Result<()> {
     let t0 = Instant::now();
     let mut lab = Lab::new(nbe())?;
     lab.add_side_client()?;
+    lab.add_shared_address()?;
     for client in std::iter::once(&lab.client).chain(&lab.side_client) {
         // A wide ephemeral port range in the client namespaces: tens of thousands of
         // connections per minute to one destination must not run out of ports in TIME_WAIT.
@@ -1685,6 +1703,7 @@ mod tests {
             (Target::Direct(Pick::Turn), all.clone(), 3, &[][..]),
             (Target::DirectSide(Pick::Random), all.clone(), 3, &["--random"][..]),
             (Target::DirectSide(Pick::One), format!("{}:{SERVER_PORT}", backend_ip(0)), 1, &[][..]),
+            (Target::DirectSide(Pick::Shared), format!("{SHARED_IP}:{SERVER_PORT}"), 3, &[][..]),
             (Target::Vip("198.19.0.1".into()), format!("198.19.0.1:{PORT}"), 3, &[][..]),
         ] {
             let m = m(t);
