@@ -519,6 +519,7 @@ const ROW_TC: &str = "TC LB";
 const ROW_NFT: &str = "nftables (kube-proxy nftables mode)";
 const ROW_NFT_CTL: &str = "direct, nftables rules loaded";
 const CTL_DIRECT_A: &str = "direct, no datapath (phase A)";
+const CTL_DIRECT_A_CG: &str = "direct to a random backend, client in the socket LB's cgroup (hooks run, nothing to translate; phase A)";
 const CTL_DIRECT_B: &str = "direct, no datapath, side client (phase B)";
 const CTL_DIRECT_B_RANDOM: &str = "direct to a random backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_ONE: &str = "direct to one backend, no datapath, side client (phase B)";
@@ -813,6 +814,9 @@ fn phase_socket_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
             Mode { row: ROW_DIRECT.into(), in_cgroup: false, target: Target::Direct(Pick::Turn) },
             Mode { row: ROW_DIRECT_RANDOM.into(), in_cgroup: false, target: Target::Direct(Pick::Random) },
             Mode { row: ROW_SOCK.into(), in_cgroup: true, target: Target::Vip(v) },
+            // The hooks' cost apart from translation: each connect() looks its address up, finds
+            // no frontend and goes on.
+            Mode { row: CTL_DIRECT_A_CG.into(), in_cgroup: true, target: Target::Direct(Pick::Random) },
         ];
         measure(lab, &modes, n, args, res, false)?;
         streams(lab, &[&modes[0], &modes[2]], n, args, res)?;
@@ -1383,6 +1387,7 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     for &n in &args.services {
         ratio_line(&mut o, "socket LB / direct", res, (ROW_SOCK, ROW_DIRECT), n, 0.97, true);
         ratio_line(&mut o, "socket LB / direct to a random backend", res, (ROW_SOCK, ROW_DIRECT_RANDOM), n, 0.97, true);
+        ratio_line(&mut o, "socket LB / direct to a random backend from the same cgroup", res, (ROW_SOCK, CTL_DIRECT_A_CG), n, 0.97, true);
         ratio_line(&mut o, "TC LB / direct", res, (ROW_TC, ROW_DIRECT), n, 0.90, false);
         ratio_line(&mut o, "TC LB / direct measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B), n, 0.90, true);
         ratio_line(&mut o, "TC LB / direct to a random backend measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B_RANDOM), n, 0.90, true);
@@ -1471,7 +1476,14 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
         }
     }
     o.push_str("\n### Controls\n\n\"direct\" measured again in each phase, interleaved with that phase's mode:\n\n");
-    let mut ctl = vec![ROW_DIRECT.to_string(), CTL_DIRECT_B.into(), CTL_DIRECT_B_RANDOM.into(), CTL_DIRECT_B_ONE.into(), CTL_DIRECT_B_SHARED.into()];
+    let mut ctl = vec![
+        ROW_DIRECT.to_string(),
+        CTL_DIRECT_A_CG.into(),
+        CTL_DIRECT_B.into(),
+        CTL_DIRECT_B_RANDOM.into(),
+        CTL_DIRECT_B_ONE.into(),
+        CTL_DIRECT_B_SHARED.into(),
+    ];
     ctl.extend(backends.iter().map(ipt_ctl_row));
     ctl.push(ROW_NFT_CTL.into());
     let ctl_table = {
