@@ -91,7 +91,8 @@ struct Args {
     /// Where the results (JSON) and the plot (PNG) go.
     #[arg(long, default_value = "target/bench")]
     out_dir: std::path::PathBuf,
-    /// Only render the plot from an earlier run's JSON (no lab, no root needed).
+    /// Only render the plot from an earlier run's JSON (no lab, no root needed), as a PNG of
+    /// the same name next to it (`x.json` -> `x.png`).
     #[arg(long)]
     plot_only: Option<std::path::PathBuf>,
 }
@@ -1581,18 +1582,25 @@ fn write_outputs(data: &serde_json::Value, out_dir: &std::path::Path, title: &st
     let json = out_dir.join("dataplane.json");
     std::fs::write(&json, serde_json::to_string_pretty(data)?)?;
     let png = out_dir.join("dataplane.png");
-    let series = gardenet_tests::plot::series_from_json(data)?;
-    gardenet_tests::plot::render(&series, title, &png)?;
+    render_plot(data, title, &png)?;
     eprintln!("bench: results in {}, plot in {}", json.display(), png.display());
     Ok(())
+}
+
+fn render_plot(data: &serde_json::Value, title: &str, png: &std::path::Path) -> Result<()> {
+    let series = gardenet_tests::plot::series_from_json(data)?;
+    gardenet_tests::plot::render(&series, title, png)
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(j) = &args.plot_only {
         let data: serde_json::Value = serde_json::from_slice(&std::fs::read(j).with_context(|| format!("reading {}", j.display()))?)?;
-        let title = data["title"].as_str().unwrap_or("gardenet dataplane benchmark").to_owned();
-        return write_outputs(&data, j.parent().unwrap_or(std::path::Path::new(".")), &title);
+        let title = data["title"].as_str().unwrap_or("gardenet dataplane benchmark");
+        let png = j.with_extension("png");
+        render_plot(&data, title, &png)?;
+        eprintln!("bench: plot in {}", png.display());
+        return Ok(());
     }
     if args.runs == 0 || args.runs > 50 || args.count == 0 || args.count > 100_000 {
         bail!("--runs must be 1..=50 and --count 1..=100000");
