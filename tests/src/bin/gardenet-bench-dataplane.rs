@@ -88,6 +88,10 @@ struct Args {
     /// Service count of the ablation phase (each datapath piece taken away in turn).
     #[arg(long, default_value_t = 1)]
     ablation_services: usize,
+    /// An extra argument for the agent of the socket LB and TC LB phases (repeatable), to
+    /// measure one of its settings: `--agent-arg=--map-conntrack=16384`.
+    #[arg(long = "agent-arg", allow_hyphen_values = true)]
+    agent_args: Vec<String>,
     /// Where the results (JSON) and the plot (PNG) go.
     #[arg(long, default_value = "target/bench")]
     out_dir: std::path::PathBuf,
@@ -801,7 +805,7 @@ impl Drop for IptRules<'_> {
 fn phase_socket_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     eprintln!("\nbench: phase A: agent with socket LB on the lab cgroup (no TC)");
     let t0 = Instant::now();
-    let agent = Agent::start(lab, AgentOpts { socket_lb: true, ..Default::default() }, &[])?;
+    let agent = Agent::start(lab, AgentOpts { socket_lb: true, extra: args.agent_args.clone(), ..Default::default() }, &[])?;
     res.timing("phase A: agent start, no services (ready)", t0.elapsed());
     for &n in &args.services {
         let yaml = manifests(n);
@@ -830,7 +834,7 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     // Largest set first: a fresh agent start with all of them, then shrinking (deletions).
     let mut ns = args.services.clone();
     ns.sort_unstable_by(|a, b| b.cmp(a));
-    let opts = AgentOpts { tc: true, ..Default::default() };
+    let opts = AgentOpts { tc: true, extra: args.agent_args.clone(), ..Default::default() };
     let t0 = Instant::now();
     // The set the agent's manifest holds: the first one, unless that start failed.
     let mut written = Some(ns[0]);
@@ -1385,23 +1389,22 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     o.push_str("### TCP connections per second\n\n");
     table(&mut o, res, &rows, &args.services);
     o.push('\n');
+    // Each load balancer against the "direct" rows measured in its phase: (line, (mode, control),
+    // target, whether the runs are paired).
+    let ratios: [(&str, (&str, &str), f64, bool); 8] = [
+        ("socket LB / direct", (ROW_SOCK, ROW_DIRECT), 0.97, true),
+        ("socket LB / direct to a random backend", (ROW_SOCK, ROW_DIRECT_RANDOM), 0.97, true),
+        ("socket LB / direct to a random backend from the same cgroup", (ROW_SOCK, CTL_DIRECT_A_CG), 0.97, true),
+        ("TC LB / direct", (ROW_TC, ROW_DIRECT), 0.90, false),
+        ("TC LB / direct measured beside it (phase B)", (ROW_TC, CTL_DIRECT_B), 0.90, true),
+        ("TC LB / direct to a random backend measured beside it (phase B)", (ROW_TC, CTL_DIRECT_B_RANDOM), 0.90, true),
+        ("TC LB / direct to one backend measured beside it (phase B)", (ROW_TC, CTL_DIRECT_B_ONE), 0.90, true),
+        ("TC LB / direct to one address on every backend (ECMP) measured beside it (phase B)", (ROW_TC, CTL_DIRECT_B_SHARED), 0.90, true),
+    ];
     for &n in &args.services {
-        ratio_line(&mut o, "socket LB / direct", res, (ROW_SOCK, ROW_DIRECT), n, 0.97, true);
-        ratio_line(&mut o, "socket LB / direct to a random backend", res, (ROW_SOCK, ROW_DIRECT_RANDOM), n, 0.97, true);
-        ratio_line(&mut o, "socket LB / direct to a random backend from the same cgroup", res, (ROW_SOCK, CTL_DIRECT_A_CG), n, 0.97, true);
-        ratio_line(&mut o, "TC LB / direct", res, (ROW_TC, ROW_DIRECT), n, 0.90, false);
-        ratio_line(&mut o, "TC LB / direct measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B), n, 0.90, true);
-        ratio_line(&mut o, "TC LB / direct to a random backend measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B_RANDOM), n, 0.90, true);
-        ratio_line(&mut o, "TC LB / direct to one backend measured beside it (phase B)", res, (ROW_TC, CTL_DIRECT_B_ONE), n, 0.90, true);
-        ratio_line(
-            &mut o,
-            "TC LB / direct to one address on every backend (ECMP) measured beside it (phase B)",
-            res,
-            (ROW_TC, CTL_DIRECT_B_SHARED),
-            n,
-            0.90,
-            true,
-        );
+        for (line, rows, target, paired) in ratios {
+            ratio_line(&mut o, line, res, rows, n, target, paired);
+        }
     }
     if let Some(b) = backends.iter().find(|b| b.label == "nft") {
         if args.services.contains(&10_000) {
@@ -1546,7 +1549,7 @@ fn cpus_allowed() -> String {
     status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_owned()).unwrap_or_default()
 }
 
-fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
+fn environment(backends: &[IptBackend], agent_args: &[String]) -> Vec<(String, String)> {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let model = std::fs::read_to_string("/proc/cpuinfo")
@@ -1570,6 +1573,9 @@ fn environment(backends: &[IptBackend]) -> Vec<(String, String)> {
                 .unwrap_or_else(|e| format!("{e:#}")),
         ),
     ];
+    if !agent_args.is_empty() {
+        v.push(("extra agent arguments (socket LB and TC LB phases)".into(), agent_args.join(" ")));
+    }
     for b in backends {
         v.push((format!("measured iptables-{}", b.label), cmd_output(b.cli, &["-V"])));
     }
@@ -1636,7 +1642,7 @@ fn main() -> Result<()> {
         }
     }
     let backends = ipt_backends(args.no_legacy)?;
-    let env = environment(&backends);
+    let env = environment(&backends, &args.agent_args);
     for (k, v) in &env {
         eprintln!("bench: {k}: {v}");
     }
