@@ -78,6 +78,35 @@ pub fn load_latency_line() -> String {
     format!("{:.0} ns per random load from a 64 MiB buffer", load_latency_ns(64, 2_000_000))
 }
 
+/// How an idle CPU waits, for a benchmark's header: "haltpoll (governor haltpoll), guest halt
+/// polling 0 ns". On this project's VM an idle vCPU halts at once (no polling), so every wakeup
+/// of a task on it is a VM exit and entry; with 200 µs of guest halt polling the dataplane
+/// bench's connections ran 1.3-1.6x faster, their ratios unchanged (2026-11-29,
+/// docs/benchmarks.md). Rates from machines that differ here are not comparable.
+pub fn cpu_idle_line() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned());
+    cpu_idle_describe(
+        read("/sys/devices/system/cpu/cpuidle/current_driver").as_deref(),
+        read("/sys/devices/system/cpu/cpuidle/current_governor").as_deref(),
+        read("/sys/module/haltpoll/parameters/guest_halt_poll_ns").and_then(|s| s.parse().ok()),
+    )
+}
+
+fn cpu_idle_describe(driver: Option<&str>, governor: Option<&str>, guest_halt_poll_ns: Option<u64>) -> String {
+    let mut s = match (driver, governor) {
+        (Some(d), Some(g)) => format!("{d} (governor {g})"),
+        (Some(d), None) => d.to_owned(),
+        (None, _) => "no cpuidle driver".to_owned(),
+    };
+    if let Some(ns) = guest_halt_poll_ns {
+        s += &format!(", guest halt polling {ns} ns");
+        if ns == 0 {
+            s += " (an idle vCPU halts at once)";
+        }
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -100,5 +129,17 @@ mod tests {
         }
         let ns = super::load_latency_ns(1, 1 << 14);
         assert!(ns > 0.0 && ns.is_finite());
+    }
+
+    #[test]
+    fn cpu_idle_says_how_an_idle_cpu_waits() {
+        assert_eq!(
+            super::cpu_idle_describe(Some("haltpoll"), Some("haltpoll"), Some(0)),
+            "haltpoll (governor haltpoll), guest halt polling 0 ns (an idle vCPU halts at once)"
+        );
+        assert_eq!(super::cpu_idle_describe(Some("intel_idle"), Some("menu"), None), "intel_idle (governor menu)");
+        assert_eq!(super::cpu_idle_describe(Some("haltpoll"), None, Some(200000)), "haltpoll, guest halt polling 200000 ns");
+        assert_eq!(super::cpu_idle_describe(None, None, None), "no cpuidle driver");
+        assert!(!super::cpu_idle_line().is_empty());
     }
 }

@@ -430,9 +430,10 @@ fn machine() -> String {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
     let mem = status_kib_meminfo().map(|k| format!("{:.1} GiB", k as f64 / 1024.0 / 1024.0)).unwrap_or_default();
     format!(
-        "{cores} cores ({cpu}), {mem} RAM, Linux {kernel}; fresh memory {}; {}",
+        "{cores} cores ({cpu}), {mem} RAM, Linux {kernel}; fresh memory {}; {}; idle CPUs: {}",
         gardenet_tests::machine::fresh_memory_line(),
-        gardenet_tests::machine::load_latency_line()
+        gardenet_tests::machine::load_latency_line(),
+        gardenet_tests::machine::cpu_idle_line()
     )
 }
 

@@ -1566,6 +1566,7 @@ fn environment(backends: &[IptBackend], agent_args: &[String]) -> Vec<(String, S
         ("load average (1/5/15 min) at the start".into(), gardenet_tests::machine::loadavg()),
         ("fresh memory at the start".into(), gardenet_tests::machine::fresh_memory_line()),
         ("memory latency at the start".into(), gardenet_tests::machine::load_latency_line()),
+        ("idle CPUs (cpuidle)".into(), gardenet_tests::machine::cpu_idle_line()),
         // SAFETY: getpriority(2) on this process.
         ("bench priority".into(), format!("nice {}", unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) })),
         (
