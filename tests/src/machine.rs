@@ -81,7 +81,7 @@ pub fn load_latency_line() -> String {
 /// How an idle CPU waits, for a benchmark's header: "haltpoll (governor haltpoll), guest halt
 /// polling 0 ns". On this project's VM an idle vCPU halts at once (no polling), so every wakeup
 /// of a task on it is a VM exit and entry; with 200 µs of guest halt polling the dataplane
-/// bench's connections ran 1.3-1.6x faster, their ratios unchanged (2026-11-29,
+/// bench's connections ran about 1.5x faster, their ratios unchanged (2026-11-29,
 /// docs/benchmarks.md). Rates from machines that differ here are not comparable.
 pub fn cpu_idle_line() -> String {
     let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned());
