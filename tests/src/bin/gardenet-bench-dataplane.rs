@@ -49,6 +49,10 @@ struct Args {
     /// their whole range, and one disturbed run leaves the verdict undecided.
     #[arg(long, default_value_t = 9)]
     runs: usize,
+    /// Connections per turn when the modes of a phase take turns within each run (see
+    /// `tcp_ring`); 0: each mode's run on its own, one after the other (before 2026-12-01).
+    #[arg(long, default_value_t = 50)]
+    block: u32,
     /// Service counts (columns), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,1000,10000,30000")]
     services: Vec<usize>,
@@ -356,57 +360,144 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
     run_json(lab.client_cmd(in_cgroup, args)?, args)
 }
 
-/// A mode's client run: the main client (in the cgroup or not), or the side client.
-fn mode_json(lab: &Lab, m: &Mode, args: &[&str]) -> Result<serde_json::Value> {
+/// A mode's client command: the main client (in the cgroup or not), or the side client.
+fn mode_cmd(lab: &Lab, m: &Mode, args: &[&str]) -> Result<Command> {
     match m.target {
-        Target::DirectSide(_) => run_json(lab.side_client_cmd(args)?, args),
-        _ => client_json(lab, m.in_cgroup, args),
+        Target::DirectSide(_) => lab.side_client_cmd(args),
+        _ => lab.client_cmd(m.in_cgroup, args),
     }
+}
+
+/// A mode's client run to completion.
+fn mode_json(lab: &Lab, m: &Mode, args: &[&str]) -> Result<serde_json::Value> {
+    run_json(mode_cmd(lab, m, args)?, args)
 }
 
 /// Runs a netkit client command to completion (killed on Ctrl-C) and parses its JSON output.
-fn run_json(mut cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
-    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
-    let mut so = child.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut so, &mut s);
-        s
-    });
-    let status = loop {
-        if let Some(st) = child.try_wait()? {
-            break st;
-        }
-        if STOP.load(Ordering::SeqCst) {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("interrupted");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let out = reader.join().unwrap_or_default();
-    if !status.success() {
-        bail!("netkit {args:?} failed: {status}");
-    }
-    serde_json::from_slice(&out).with_context(|| format!("netkit output: {}", String::from_utf8_lossy(&out)))
+fn run_json(cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
+    Client::spawn(cmd)?.finish(args)
 }
 
-/// One netkit `tcp` run: (per_second, errors, answers by backend; the output also carries
+/// A netkit client running; killed if dropped before [`Client::finish`].
+struct Client {
+    child: std::process::Child,
+    out: Option<std::thread::JoinHandle<Vec<u8>>>,
+}
+
+impl Client {
+    fn spawn(mut cmd: Command) -> Result<Self> {
+        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
+        let mut so = child.stdout.take().unwrap();
+        let out = std::thread::spawn(move || {
+            let mut s = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut so, &mut s);
+            s
+        });
+        Ok(Client { child, out: Some(out) })
+    }
+
+    /// Waits for the client's exit (killing it on Ctrl-C) and parses its JSON output.
+    fn finish(mut self, args: &[&str]) -> Result<serde_json::Value> {
+        let status = loop {
+            if let Some(st) = self.child.try_wait()? {
+                break st;
+            }
+            check_stop()?;
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out = self.out.take().and_then(|h| h.join().ok()).unwrap_or_default();
+        if !status.success() {
+            bail!("netkit {args:?} failed: {status}");
+        }
+        serde_json::from_slice(&out).with_context(|| format!("netkit output: {}", String::from_utf8_lossy(&out)))
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        if self.out.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The netkit `tcp` arguments of one run of `m`.
+fn tcp_args(m: &Mode, count: u32) -> Vec<String> {
+    let mut a: Vec<String> = ["tcp", "--to", &m.to_all(), "--count", &count.to_string(), "--timeout-ms", "2000"].map(String::from).into();
+    a.extend(m.pick_args().iter().map(|s| s.to_string()));
+    a
+}
+
+/// A run's output checked: (per_second, errors, answers by backend; the output also carries
 /// `latency_us`).
-fn tcp_run(lab: &Lab, m: &Mode, count: u32) -> Result<(f64, u64, serde_json::Value)> {
-    check_stop()?;
-    let to = m.to_all();
-    let count_s = count.to_string();
-    let mut a = vec!["tcp", "--to", &to, "--count", &count_s, "--timeout-ms", "2000"];
-    a.extend_from_slice(m.pick_args());
-    let v = mode_json(lab, m, &a)?;
+fn tcp_result(m: &Mode, count: u32, v: serde_json::Value) -> Result<(f64, u64, serde_json::Value)> {
     let errors: u64 = v["errors"].as_object().into_iter().flatten().map(|(_, n)| n.as_u64().unwrap_or(0)).sum();
     let answered: u64 = counts(&v).iter().map(|(_, n)| n).sum();
     if answered + errors != count as u64 {
-        bail!("{}: {to}: {answered} answers + {errors} errors != {count}: {v}", m.row);
+        bail!("{}: {}: {answered} answers + {errors} errors != {count}: {v}", m.row, m.to_all());
     }
     let ps = v["per_second"].as_f64().with_context(|| format!("no per_second in {v}"))?;
     Ok((ps, errors, v))
+}
+
+/// One netkit `tcp` run of `m` on its own.
+fn tcp_run(lab: &Lab, m: &Mode, count: u32) -> Result<(f64, u64, serde_json::Value)> {
+    check_stop()?;
+    let a = tcp_args(m, count);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    tcp_result(m, count, mode_json(lab, m, &a)?)
+}
+
+/// A directory for the FIFOs of [`tcp_ring`], removed on drop.
+struct TurnDir(std::path::PathBuf);
+
+impl TurnDir {
+    fn new() -> Result<Self> {
+        let d = std::path::PathBuf::from(format!("/run/gardenet-bench-turns-{}", std::process::id()));
+        std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+        Ok(TurnDir(d))
+    }
+}
+
+impl Drop for TurnDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// One run of every mode of `ms` at the same time, taking turns block by block (`netkit tcp
+/// --turn-in/--turn-out`, a ring of FIFOs in `dir`; `ms[0]` starts): each mode's connections
+/// are made in blocks of `block`, one mode at a time, so the modes' rates are measured in the
+/// same milliseconds of the host's life. Results in the order of `ms`.
+fn tcp_ring(lab: &Lab, ms: &[&Mode], count: u32, block: u32, dir: &std::path::Path) -> Result<Vec<(f64, u64, serde_json::Value)>> {
+    check_stop()?;
+    let fifos: Vec<std::path::PathBuf> = (0..ms.len()).map(|k| dir.join(format!("turn-{k}"))).collect();
+    for f in &fifos {
+        let _ = std::fs::remove_file(f);
+        let c = std::ffi::CString::new(f.as_os_str().as_encoded_bytes())?;
+        // SAFETY: a NUL-terminated path.
+        if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } != 0 {
+            return Err(std::io::Error::last_os_error()).with_context(|| format!("mkfifo {}", f.display()));
+        }
+    }
+    let mut runs = Vec::with_capacity(ms.len());
+    for (k, m) in ms.iter().enumerate() {
+        let mut a = tcp_args(m, count);
+        a.extend(["--turn-in".into(), fifos[k].display().to_string(), "--turn-out".into(), fifos[(k + 1) % ms.len()].display().to_string()]);
+        a.extend(["--block".into(), block.to_string()]);
+        if k == 0 {
+            a.push("--turn-first".into());
+        }
+        let args: Vec<&str> = a.iter().map(String::as_str).collect();
+        runs.push((Client::spawn(mode_cmd(lab, m, &args)?)?, a));
+    }
+    let mut out = Vec::with_capacity(ms.len());
+    for ((c, a), m) in runs.into_iter().zip(ms) {
+        let args: Vec<&str> = a.iter().map(String::as_str).collect();
+        out.push(tcp_result(m, count, c.finish(&args)?)?);
+    }
+    Ok(out)
 }
 
 /// TIME_WAIT sockets in the client namespace, or in the side client's if it has more
@@ -460,22 +551,34 @@ fn measure(lab: &Lab, modes: &[Mode], n: usize, args: &Args, res: &mut Results, 
     for m in modes {
         tcp_run(lab, m, args.count.min(1000))?;
     }
+    // Modes measured side by side take turns block by block (unless `--block 0`, or the
+    // programs' statistics are read per run, which needs a run to itself).
+    let ring = (args.block > 0 && !prog_stats && modes.len() > 1).then(TurnDir::new).transpose()?;
     for r in 0..args.runs {
-        // Rotate the order so no mode always runs right after the same other one.
-        for k in 0..modes.len() {
-            let m = &modes[(k + r) % modes.len()];
-            let before = if prog_stats { Some(gardenet_tests::bpfstats::programs("gn_")?) } else { None };
-            let (ps, errors, v) = tcp_run(lab, m, args.count)?;
-            if let Some(before) = before {
-                let d = gardenet_tests::bpfstats::delta(&before, &gardenet_tests::bpfstats::programs("gn_")?);
-                let cell = res.cell(&m.row, n);
-                cell.conns += args.count as u64;
-                for (name, (runs, ns)) in d {
-                    let e = cell.progs.entry(name).or_default();
-                    e.0 += runs;
-                    e.1 += ns;
+        // Rotate the order so no mode always runs right after (or starts before) the same
+        // other one.
+        let order: Vec<&Mode> = (0..modes.len()).map(|k| &modes[(k + r) % modes.len()]).collect();
+        let mut done = Vec::with_capacity(order.len());
+        if let Some(dir) = &ring {
+            done = tcp_ring(lab, &order, args.count, args.block, &dir.0)?;
+        } else {
+            for m in &order {
+                let before = if prog_stats { Some(gardenet_tests::bpfstats::programs("gn_")?) } else { None };
+                let run = tcp_run(lab, m, args.count)?;
+                if let Some(before) = before {
+                    let d = gardenet_tests::bpfstats::delta(&before, &gardenet_tests::bpfstats::programs("gn_")?);
+                    let cell = res.cell(&m.row, n);
+                    cell.conns += args.count as u64;
+                    for (name, (runs, ns)) in d {
+                        let e = cell.progs.entry(name).or_default();
+                        e.0 += runs;
+                        e.1 += ns;
+                    }
                 }
+                done.push(run);
             }
+        }
+        for (m, (ps, errors, v)) in order.iter().zip(done) {
             eprintln!(
                 "bench: {n:>6} services  {:<28} run {}: {:>8.0} conn/s{}",
                 m.row,

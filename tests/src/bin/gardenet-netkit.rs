@@ -51,6 +51,22 @@ enum Cmd {
         /// Each connection to a uniformly random `--to` instead of the next in turn.
         #[arg(long)]
         random: bool,
+        /// Take turns with other clients: wait for a byte on this FIFO before each block of
+        /// `--block` connections (not before the first with `--turn-first`), pass one on
+        /// `--turn-out` after it. Clients in a ring measure side by side within milliseconds,
+        /// so a ratio of their rates is not moved by what the host does from second to second;
+        /// `per_second` is then over the blocks' time only.
+        #[arg(long, requires = "turn_out")]
+        turn_in: Option<std::path::PathBuf>,
+        #[arg(long, requires = "turn_in")]
+        turn_out: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 50)]
+        block: u32,
+        #[arg(long)]
+        turn_first: bool,
+        /// Longest wait for a turn: a ring whose other client died fails instead of hanging.
+        #[arg(long, default_value_t = 60_000)]
+        turn_timeout_ms: u64,
     },
     /// COUNT datagrams from one unconnected UDP socket; counts answers by name and by source.
     Udp {
@@ -182,7 +198,13 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Serve { name, port, addr: Some(addr) } => serve_on(&name, addr, port),
         Cmd::Serve { name, port, addr: None } => serve(&name, port),
-        Cmd::Tcp { to, count, timeout_ms, bind_port, random } => tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port, random),
+        Cmd::Tcp { to, count, timeout_ms, bind_port, random, turn_in, turn_out, block, turn_first, turn_timeout_ms } => {
+            let turns = match (turn_in, turn_out) {
+                (Some(i), Some(o)) => Some(Turns::open(&i, &o, block.max(1), turn_first, turn_timeout_ms.min(600_000) as i32)?),
+                _ => None,
+            };
+            tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port, random, turns)
+        }
         Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port, interval_ms, trace, connected } => {
             let mode = if fresh_socket {
                 UdpMode::Fresh
@@ -418,7 +440,45 @@ fn request_from(to: SocketAddr, timeout: Duration, from: Option<std::net::IpAddr
     Ok(line.trim().to_owned())
 }
 
-fn tcp(to: Vec<SocketAddr>, count: u32, timeout: Duration, bind_port: Option<u16>, random: bool) -> Result<()> {
+/// A place in a ring of clients taking turns (`tcp --turn-in/--turn-out`). Both FIFOs are
+/// opened read-write, which never blocks and keeps each one open while any client runs, so a
+/// byte passed on is kept until its reader takes it.
+struct Turns {
+    rx: std::fs::File,
+    tx: std::fs::File,
+    block: u32,
+    /// Whether this client's next block needs a turn first.
+    waits: bool,
+    timeout_ms: i32,
+}
+
+impl Turns {
+    fn open(rx: &std::path::Path, tx: &std::path::Path, block: u32, first: bool, timeout_ms: i32) -> Result<Self> {
+        let open = |p: &std::path::Path| std::fs::OpenOptions::new().read(true).write(true).open(p).with_context(|| format!("opening {}", p.display()));
+        Ok(Turns { rx: open(rx)?, tx: open(tx)?, block, waits: !first, timeout_ms })
+    }
+
+    fn wait(&mut self) -> Result<()> {
+        if !std::mem::replace(&mut self.waits, true) {
+            return Ok(());
+        }
+        let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&self.rx), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        match unsafe { libc::poll(&mut pfd, 1, self.timeout_ms) } {
+            1 => {}
+            0 => bail!("no turn within {} ms (another client of the ring is gone?)", self.timeout_ms),
+            _ => return Err(std::io::Error::last_os_error()).context("poll on the turn FIFO"),
+        }
+        let mut b = [0u8; 1];
+        self.rx.read_exact(&mut b).context("reading a turn")
+    }
+
+    fn pass(&mut self) -> Result<()> {
+        self.tx.write_all(b"t").context("passing the turn on")
+    }
+}
+
+fn tcp(to: Vec<SocketAddr>, count: u32, timeout: Duration, bind_port: Option<u16>, random: bool, mut turns: Option<Turns>) -> Result<()> {
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut errors: BTreeMap<String, u32> = BTreeMap::new();
     // Per answered connection: connect() start to the first byte of the reply, as the
@@ -428,23 +488,44 @@ fn tcp(to: Vec<SocketAddr>, count: u32, timeout: Duration, bind_port: Option<u16
     // regular pattern for caches or for TIME_WAIT reuse to favour), so a direct run compares
     // like with like.
     let mut rng = SmallRng::from_entropy();
+    let block = turns.as_ref().map_or(count, |t| t.block).max(1);
     let t0 = Instant::now();
-    for i in 0..count {
-        let target = if random { to[rng.gen_range(0..to.len())] } else { to[i as usize % to.len()] };
-        let t = Instant::now();
-        match request(target, timeout, bind_port) {
-            Ok(n) => {
-                latencies_us.push(t.elapsed().as_secs_f64() * 1e6);
-                *counts.entry(n).or_default() += 1
+    let mut active = Duration::ZERO;
+    // In a ring: each block's start and end, in ns since the epoch, to check taking turns.
+    let mut blocks: Vec<[u128; 2]> = Vec::new();
+    let mut i = 0;
+    while i < count {
+        if let Some(t) = turns.as_mut() {
+            t.wait()?;
+        }
+        let (tb, start_ns) = (Instant::now(), unix_ns());
+        for _ in 0..block.min(count - i) {
+            let target = if random { to[rng.gen_range(0..to.len())] } else { to[i as usize % to.len()] };
+            let t = Instant::now();
+            match request(target, timeout, bind_port) {
+                Ok(n) => {
+                    latencies_us.push(t.elapsed().as_secs_f64() * 1e6);
+                    *counts.entry(n).or_default() += 1
+                }
+                Err(e) => *errors.entry(err_kind(&e)).or_default() += 1,
             }
-            Err(e) => *errors.entry(err_kind(&e)).or_default() += 1,
+            i += 1;
+        }
+        active += tb.elapsed();
+        if let Some(t) = turns.as_mut() {
+            blocks.push([start_ns, unix_ns()]);
+            t.pass()?;
         }
     }
-    let secs = t0.elapsed().as_secs_f64();
+    let (secs, wall) = (active.as_secs_f64(), t0.elapsed().as_secs_f64());
     latencies_us.sort_by(|a, b| a.total_cmp(b));
     let q = |p: f64| latencies_us.get(((latencies_us.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied();
     let latency = json!({"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "max": latencies_us.last()});
-    println!("{}", json!({"counts": counts, "errors": errors, "seconds": secs, "per_second": count as f64 / secs, "latency_us": latency}));
+    let mut out = json!({"counts": counts, "errors": errors, "seconds": secs, "wall_seconds": wall, "per_second": count as f64 / secs, "latency_us": latency});
+    if turns.is_some() {
+        out["blocks"] = json!(blocks);
+    }
+    println!("{out}");
     Ok(())
 }
 
@@ -760,6 +841,10 @@ struct StreamReport {
     down: u64,
     max_round_ms: f64,
     error: Option<String>,
+}
+
+fn unix_ns() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos()
 }
 
 fn unix_ms() -> u128 {
