@@ -161,7 +161,10 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
         // Per family (a frontend only gets backends of its own family, no NAT46/64).
         let mut specs: Vec<FamilySpecs> = Vec::with_capacity(2);
         for v4 in [true, false] {
-            let fam: Vec<&Candidate> = cands.iter().filter(|c| c.backend.addr.is_ipv4() == v4).collect();
+            // Collected into room for all of them: a filtered collect grows one doubling at a
+            // time, and a full sync does this for every port.
+            let mut fam: Vec<&Candidate> = Vec::with_capacity(cands.len());
+            fam.extend(cands.iter().filter(|c| c.backend.addr.is_ipv4() == v4));
             if v4 == primary_v4 {
                 local_ready.extend(fam.iter().filter(|c| c.ep.ready && c.local).map(|c| c.backend));
             }
@@ -279,16 +282,16 @@ enum Topology {
 /// and one names this node; else same zone when every ready endpoint has zone hints and one
 /// names this node's zone; else none. Unready endpoints take no part.
 fn topology_mode(cands: &[&Candidate], node: &NodeInfo) -> Topology {
-    let ready: Vec<&&Candidate> = cands.iter().filter(|c| c.ep.ready).collect();
-    if ready.is_empty() {
+    let ready = || cands.iter().filter(|c| c.ep.ready);
+    if ready().next().is_none() {
         return Topology::Any;
     }
     let names = |h: &[Box<str>], v: &str| h.iter().any(|x| &**x == v);
-    if !node.name.is_empty() && ready.iter().all(|c| !c.ep.node_hints().is_empty()) && ready.iter().any(|c| names(c.ep.node_hints(), &node.name)) {
+    if !node.name.is_empty() && ready().all(|c| !c.ep.node_hints().is_empty()) && ready().any(|c| names(c.ep.node_hints(), &node.name)) {
         return Topology::SameNode;
     }
     let zone = node.zone.as_deref().unwrap_or_default();
-    if !zone.is_empty() && ready.iter().all(|c| !c.ep.zone_hints().is_empty()) && ready.iter().any(|c| names(c.ep.zone_hints(), zone)) {
+    if !zone.is_empty() && ready().all(|c| !c.ep.zone_hints().is_empty()) && ready().any(|c| names(c.ep.zone_hints(), zone)) {
         return Topology::SameZone;
     }
     Topology::Any
@@ -298,7 +301,8 @@ fn categorize(cands: &[&Candidate], policy: Policy, node: &NodeInfo) -> Categori
     let mut out = Categorized::default();
     // Sorted, without duplicates.
     let set = |f: &dyn Fn(&Candidate) -> bool| -> Vec<Backend> {
-        let mut v: Vec<Backend> = cands.iter().filter(|c| f(c)).map(|c| c.backend).collect();
+        let mut v: Vec<Backend> = Vec::with_capacity(cands.len());
+        v.extend(cands.iter().filter(|c| f(c)).map(|c| c.backend));
         v.sort_unstable();
         v.dedup();
         v
@@ -346,7 +350,7 @@ fn valid_port(p: i32) -> Option<u16> {
 /// Endpoint candidates for one Service port from all slices (merged; duplicates are resolved
 /// by `categorize`).
 fn endpoints_for<'a>(sp: &PortView, proto: Proto, slices: &[&'a SliceView], node: &NodeInfo, out: &mut Translated, key: &str) -> Vec<Candidate<'a>> {
-    let mut cands = Vec::new();
+    let mut cands = Vec::with_capacity(slices.iter().map(|s| s.endpoints.len()).sum());
     for slice in slices {
         // EndpointSlice ports are matched to Service ports by name (named targetPorts are
         // resolved by the EndpointSlice controller into the number here).

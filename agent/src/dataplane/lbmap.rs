@@ -278,8 +278,10 @@ type BeKey = (Backend, Proto);
 struct Backends {
     by_id: HashMap<u32, (BeKey, u32), BuildHasherDefault<IdHasher>>,
     ids: hashbrown::HashTable<u32>,
-    /// Keyed (SipHash): backend addresses come from the cluster's EndpointSlices.
-    hasher: std::hash::RandomState,
+    /// Seeded at random per process (foldhash, as the pipeline's tables): backend addresses
+    /// come from the cluster's EndpointSlices, so collisions must not be precomputable, but
+    /// SipHash was a quarter of planning a full sync.
+    hasher: foldhash::fast::RandomState,
 }
 
 /// Hashes the writer's own backend ids (sequential, never chosen by anyone else): one
@@ -668,10 +670,16 @@ impl LbState {
 
     /// The spec's backends, sorted and without duplicates; `None` when the frontend is
     /// programmed exactly so already (nothing to write).
-    fn wanted_backends(&self, fe: &Frontend, spec: &FrontendSpec) -> Result<Option<Vec<Backend>>, MapError> {
-        let mut wanted: Vec<Backend> = spec.backends.clone();
-        wanted.sort();
-        wanted.dedup();
+    fn wanted_backends<'s>(&self, fe: &Frontend, spec: &'s FrontendSpec) -> Result<Option<std::borrow::Cow<'s, [Backend]>>, MapError> {
+        // Translation hands them over sorted and distinct already: no copy then.
+        let wanted: std::borrow::Cow<'s, [Backend]> = if spec.backends.windows(2).all(|w| w[0] < w[1]) {
+            std::borrow::Cow::Borrowed(&spec.backends)
+        } else {
+            let mut v = spec.backends.clone();
+            v.sort();
+            v.dedup();
+            std::borrow::Cow::Owned(v)
+        };
         if wanted.len() > u16::MAX as usize {
             return Err(MapError::Other(format!("{fe}: {} backends, at most {} per frontend", wanted.len(), u16::MAX)));
         }
@@ -744,7 +752,7 @@ impl LbState {
         if old.is_none() {
             sink.undo.reserve_created(wanted.len());
         }
-        for b in &wanted {
+        for b in wanted.iter() {
             let k = (*b, fe.proto);
             let h = self.backends.hash(&k);
             let id = match self.backends.id_of_hashed(h, &k) {

@@ -173,7 +173,7 @@ fn family_name(v4: bool) -> &'static str {
 impl ServiceView {
     /// `namespace/name`, the key Services and their slices are matched by.
     pub fn key(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
+        object_key(&self.namespace, &self.name)
     }
 
     /// Precedence for a contested frontend: older first, then by key (a Service without a
@@ -324,12 +324,12 @@ enum Dest {
 impl SliceView {
     /// `namespace/name` of this slice.
     pub fn key(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
+        object_key(&self.namespace, &self.name)
     }
 
     /// The key of the Service this slice belongs to, if it is labelled.
     pub fn service_key(&self) -> Option<String> {
-        self.service.as_ref().map(|s| format!("{}/{}", self.namespace, s))
+        self.service.as_ref().map(|s| object_key(&self.namespace, s))
     }
 }
 
@@ -383,6 +383,16 @@ impl From<&EndpointSlice> for SliceView {
         v.endpoints.shrink_to_fit();
         v
     }
+}
+
+/// `namespace/name`, as the pipeline keys its objects. Built by hand: `format!` costs several
+/// times as much, and a full sync makes a few of these per object.
+pub fn object_key(namespace: &str, name: &str) -> String {
+    let mut k = String::with_capacity(namespace.len() + 1 + name.len());
+    k.push_str(namespace);
+    k.push('/');
+    k.push_str(name);
+    k
 }
 
 #[cfg(test)]
