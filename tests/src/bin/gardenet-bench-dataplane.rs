@@ -51,7 +51,10 @@ struct Args {
     runs: usize,
     /// Connections per turn when the modes of a phase take turns within each run (see
     /// `tcp_ring`); 0: each mode's run on its own, one after the other (before 2026-12-01).
-    #[arg(long, default_value_t = 50)]
+    /// Smaller turns measure the modes closer together: TC LB / direct beside it ranged
+    /// 0.79-1.13x run by run with 0, 0.79-1.07x with 200, 0.84-1.04x with 50, 0.89-1.01x
+    /// with 10 (2026-12-01, docs/benchmarks.md).
+    #[arg(long, default_value_t = 10)]
     block: u32,
     /// Service counts (columns), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,1000,10000,30000")]

@@ -60,7 +60,7 @@ enum Cmd {
         turn_in: Option<std::path::PathBuf>,
         #[arg(long, requires = "turn_in")]
         turn_out: Option<std::path::PathBuf>,
-        #[arg(long, default_value_t = 50)]
+        #[arg(long, default_value_t = 10)]
         block: u32,
         #[arg(long)]
         turn_first: bool,
