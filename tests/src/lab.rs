@@ -605,9 +605,7 @@ impl Drop for Agent {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.bpffs);
         let _ = std::fs::remove_dir_all(&self.dir);
-        if let Some(name) = self.bpffs.file_name() {
-            let _ = std::fs::remove_dir_all(PathBuf::from("/run/gardenet").join(name));
-        }
+        let _ = std::fs::remove_dir_all(gardenet_agent::run::default_state_dir(&self.bpffs));
     }
 }
 

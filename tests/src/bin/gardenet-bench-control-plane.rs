@@ -783,6 +783,8 @@ fn agent_process(bin: &Path, source: &[String], pin: &Path, sizes: &MapSizes) ->
         bail!("{} not found (build it: cargo build --release -p gardenet-agent)", bin.display());
     }
     let _pins = RmDir(pin.to_owned());
+    // The agent publishes its links in a state directory named after the pin directory.
+    let _state = RmDir(gardenet_agent::run::default_state_dir(pin));
     let t0 = Instant::now();
     let child = Command::new(bin)
         // --kube-proxy-enabled=false: the agent is the Service proxy here (else it stays passive).
