@@ -2,6 +2,7 @@
 //! the modes of a phase side by side: clients in a ring of FIFOs make their connections in
 //! blocks, one client at a time. Unprivileged: one server on loopback.
 use std::{
+    io::{BufRead, BufReader, Write},
     net::{Ipv4Addr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -25,11 +26,21 @@ fn server() -> (Server, u16) {
     let child = Command::new(NETKIT).args(["serve", "--name", "s1", "--addr", "127.0.0.1", "--port", &port.to_string()]).spawn().unwrap();
     let s = Server(child);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
+    while !answers(port) {
         assert!(Instant::now() < deadline, "netkit serve on 127.0.0.1:{port} does not answer");
         std::thread::sleep(Duration::from_millis(20));
     }
     (s, port)
+}
+
+/// Whether the server answers `HELLO` with its name. A bare connect is not enough: before the
+/// server has bound its port, a connect to a free port in the ephemeral range can connect to
+/// itself (simultaneous open), and the ring's first block then met a refused port.
+fn answers(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut line = String::new();
+    s.write_all(b"HELLO\n").is_ok() && BufReader::new(&s).read_line(&mut line).is_ok() && line.trim() == "s1"
 }
 
 /// A directory of its own under the system's temporary directory, removed on drop.
