@@ -2,8 +2,7 @@
 //! the modes of a phase side by side: clients in a ring of FIFOs make their connections in
 //! blocks, one client at a time. Unprivileged: one server on loopback.
 use std::{
-    io::{BufRead, BufReader, Write},
-    net::{Ipv4Addr, TcpListener, TcpStream},
+    net::{Ipv4Addr, TcpListener},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -33,14 +32,13 @@ fn server() -> (Server, u16) {
     (s, port)
 }
 
-/// Whether a netkit server on the port answers `HELLO` with its name. Once (CI, 2026-12-02)
-/// the readiness check was a bare connect and the ring's first block then met a refused port;
-/// the cause was not found (not a self-connect: none in 40,000 tries here), so wait for an answer.
+/// Whether the server answers with its name, asked the way the lab asks its servers (one
+/// `netkit tcp` connection). Once (CI, 2026-12-02) the readiness check was a bare connect and
+/// the ring's first block then met a refused port; the cause was not found (not a
+/// self-connect: none in 40,000 tries here), so wait for an answer.
 fn answers(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) else { return false };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    let mut line = String::new();
-    s.write_all(b"HELLO\n").is_ok() && BufReader::new(&s).read_line(&mut line).is_ok() && line.trim() == "s1"
+    let out = Command::new(NETKIT).args(["tcp", "--to", &format!("127.0.0.1:{port}"), "--count", "1", "--timeout-ms", "300"]).output();
+    out.ok().and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok()).is_some_and(|v| v["counts"]["s1"] == 1)
 }
 
 /// A directory of its own under the system's temporary directory, removed on drop.
