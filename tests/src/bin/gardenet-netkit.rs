@@ -29,6 +29,8 @@ enum Cmd {
     Serve {
         #[arg(long)]
         name: String,
+        /// With `--addr`, 0 picks a port free for both TCP and UDP and prints `{"port": P}`
+        /// once both listen (a test that chose the port itself could lose it to another).
         #[arg(long)]
         port: u16,
         /// Listen on this address only (TCP and UDP), like node-local DNS on 169.254.20.10.
@@ -197,6 +199,7 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Serve { name, port, addr: Some(addr) } => serve_on(&name, addr, port),
+        Cmd::Serve { port: 0, addr: None, .. } => bail!("--port 0 needs --addr (one port for one address)"),
         Cmd::Serve { name, port, addr: None } => serve(&name, port),
         Cmd::Tcp { to, count, timeout_ms, bind_port, random, turn_in, turn_out, block, turn_first, turn_timeout_ms } => {
             let turns = match (turn_in, turn_out) {
@@ -316,9 +319,28 @@ fn accept_loop(pool: &Arc<Acceptors>, permanent: bool) {
 
 /// `serve` on one address only.
 fn serve_on(name: &str, addr: std::net::IpAddr, port: u16) -> Result<()> {
-    serve_udp(UdpSocket::bind((addr, port))?, name.to_owned());
-    serve_tcp(TcpListener::bind((addr, port))?, name.to_owned());
+    let (tcp, udp) = if port == 0 { bind_free_port(addr)? } else { (TcpListener::bind((addr, port))?, UdpSocket::bind((addr, port))?) };
+    if port == 0 {
+        println!("{}", json!({ "port": tcp.local_addr()?.port() }));
+        std::io::Write::flush(&mut std::io::stdout())?;
+    }
+    serve_udp(udp, name.to_owned());
+    serve_tcp(tcp, name.to_owned());
     Ok(())
+}
+
+/// A TCP listener on a port the kernel picks and a UDP socket on the same port; the UDP
+/// port may be taken, so a few tries.
+fn bind_free_port(addr: std::net::IpAddr) -> Result<(TcpListener, UdpSocket)> {
+    let mut last = None;
+    for _ in 0..16 {
+        let tcp = TcpListener::bind((addr, 0))?;
+        match UdpSocket::bind((addr, tcp.local_addr()?.port())) {
+            Ok(udp) => return Ok((tcp, udp)),
+            Err(e) => last = Some(e),
+        }
+    }
+    bail!("no port on {addr} free for both TCP and UDP in 16 tries: {last:?}")
 }
 
 fn serve(name: &str, port: u16) -> Result<()> {
@@ -330,14 +352,7 @@ fn serve(name: &str, port: u16) -> Result<()> {
         }
         (u, t) => eprintln!("netkit: no IPv6 server on port {port}: udp {:?}, tcp {:?}", u.err(), t.err()),
     }
-    let udp = UdpSocket::bind(("0.0.0.0", port))?;
-    let uname = name.to_owned();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 2048];
-        while let Ok((_, peer)) = udp.recv_from(&mut buf) {
-            let _ = udp.send_to(uname.as_bytes(), peer);
-        }
-    });
+    serve_udp(UdpSocket::bind(("0.0.0.0", port))?, name.to_owned());
     serve_tcp(TcpListener::bind(("0.0.0.0", port))?, name.to_owned());
     Ok(())
 }
