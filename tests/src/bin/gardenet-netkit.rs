@@ -319,11 +319,15 @@ fn accept_loop(pool: &Arc<Acceptors>, permanent: bool) {
 
 /// `serve` on one address only.
 fn serve_on(name: &str, addr: std::net::IpAddr, port: u16) -> Result<()> {
-    let (tcp, udp) = if port == 0 { bind_free_port(addr)? } else { (TcpListener::bind((addr, port))?, UdpSocket::bind((addr, port))?) };
-    if port == 0 {
-        println!("{}", json!({ "port": tcp.local_addr()?.port() }));
-        std::io::Write::flush(&mut std::io::stdout())?;
-    }
+    let (tcp, udp) = match port {
+        0 => {
+            let (tcp, udp) = bind_free_port(addr)?;
+            println!("{}", json!({ "port": tcp.local_addr()?.port() }));
+            std::io::Write::flush(&mut std::io::stdout())?;
+            (tcp, udp)
+        }
+        _ => (TcpListener::bind((addr, port))?, UdpSocket::bind((addr, port))?),
+    };
     serve_udp(udp, name.to_owned());
     serve_tcp(tcp, name.to_owned());
     Ok(())
