@@ -250,6 +250,39 @@ impl AgentState {
     }
 }
 
+/// How long to wait before trying a port that could not be bound again: first, and at most.
+const BIND_RETRY_FIRST: Duration = Duration::from_millis(500);
+const BIND_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Binds `addr` for the server `what`, trying again with growing pauses for as long as the
+/// task lives: the port may be held for a while by another process, kube-proxy above all
+/// while a node moves from it to gardenet. Giving up would leave load balancers seeing this
+/// node unhealthy until the agent restarts. The first failure is logged as a warning.
+pub async fn bind_retrying(addr: SocketAddr, what: &str) -> TcpListener {
+    let (mut pause, mut failures) = (BIND_RETRY_FIRST, 0u32);
+    loop {
+        match TcpListener::bind(addr).await {
+            Ok(l) => {
+                if failures > 0 {
+                    tracing::info!("{what} on {addr}: listening after {failures} failed attempts");
+                }
+                return l;
+            }
+            Err(e) => {
+                if failures == 0 {
+                    tracing::warn!(
+                        "{what} on {addr}: cannot listen: {e} (held by another process, kube-proxy still running?); trying again, every {}s at most",
+                        BIND_RETRY_MAX.as_secs()
+                    );
+                }
+                failures += 1;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(BIND_RETRY_MAX);
+            }
+        }
+    }
+}
+
 /// Binds `addr` and serves `/healthz`, `/readyz` and `/metrics` until the task is dropped.
 pub async fn serve(addr: SocketAddr, state: Arc<AgentState>, metrics: Arc<Metrics>) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("binding the health/metrics endpoint {addr}: {e}"))?;

@@ -9,7 +9,7 @@ use std::{
 
 use http_body_util::Full;
 use hyper::{body::Bytes, Response, StatusCode};
-use tokio::{net::TcpListener, task::JoinHandle};
+use tokio::task::JoinHandle;
 
 use crate::translate::HealthCheck;
 
@@ -58,14 +58,7 @@ impl Drop for HealthCheckServers {
 }
 
 async fn serve(port: u16, state: Shared) {
-    let addr = SocketAddr::from(([0, 0, 0, 0], port));
-    let l = match TcpListener::bind(addr).await {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::warn!("healthCheckNodePort {port}: cannot listen: {e}");
-            return;
-        }
-    };
+    let l = crate::report::health::bind_retrying(SocketAddr::from(([0, 0, 0, 0], port)), "healthCheckNodePort").await;
     // The port is open to anyone who reaches the node: the agent's hardened server (header
     // timeout, bounded connections and request heads, accept errors backed off).
     let respond = move |_req: &hyper::Request<hyper::body::Incoming>| {
@@ -100,6 +93,17 @@ mod tests {
         out
     }
 
+    /// [`get`] once the server listens, for at most ~10 s; empty if it never does.
+    async fn get_once_served(port: u16) -> String {
+        for _ in 0..100 {
+            if let Ok(Ok(x)) = tokio::time::timeout(std::time::Duration::from_secs(1), tokio::spawn(get(port))).await {
+                return x;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        String::new()
+    }
+
     #[tokio::test]
     async fn answers_like_kube_proxy_and_follows_updates() {
         // Find a free port on loopback (the server listens on all addresses).
@@ -107,14 +111,7 @@ mod tests {
         let hc = |n| HealthCheck { port, namespace: "d".into(), name: "web".into(), local_endpoints: n };
         let mut s = HealthCheckServers::default();
         s.update(BTreeMap::from([(port, hc(2))]));
-        let mut r = String::new();
-        for _ in 0..50 {
-            if let Ok(Ok(x)) = tokio::time::timeout(std::time::Duration::from_secs(1), tokio::spawn(get(port))).await {
-                r = x;
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        let r = get_once_served(port).await;
         assert!(r.starts_with("HTTP/1.1 200"), "{r}");
         assert!(r.contains(r#""localEndpoints":2"#), "{r}");
         s.update(BTreeMap::from([(port, hc(0))]));
@@ -123,5 +120,21 @@ mod tests {
         s.update(BTreeMap::new());
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err(), "listener closed");
+    }
+
+    /// A port held by another process (kube-proxy during a migration) is served once it is
+    /// free, without another update.
+    #[tokio::test]
+    async fn serves_a_port_once_its_holder_lets_go() {
+        let holder = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = holder.local_addr().unwrap().port();
+        let mut s = HealthCheckServers::default();
+        s.update(BTreeMap::from([(port, HealthCheck { port, namespace: "d".into(), name: "web".into(), local_endpoints: 1 })]));
+        // Long enough for the first bind to fail and a retry to be scheduled.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        drop(holder);
+        // The retries come 0.5, 1 and 2 s apart: answered within ~2 s.
+        let r = get_once_served(port).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
     }
 }
