@@ -280,7 +280,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     // From here on gardenet is the Service proxy: answer kube-proxy's health check too
     // (unhealthy until the dataplane is loaded and the first sync programmed).
-    let proxy_healthz = report::serve_proxy_healthz(&args.status, state.clone()).await;
+    let proxy_healthz = report::serve_proxy_healthz(&args.status, state.clone());
     let sizes = MapSizes {
         services: args.map_services.unwrap_or(config.map_sizes.services),
         backends: args.map_backends.unwrap_or(config.map_sizes.backends),

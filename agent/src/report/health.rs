@@ -428,27 +428,49 @@ fn with_type(status: StatusCode, content_type: &'static str, body: String) -> Re
     response
 }
 
+/// Plain HTTP GETs for the tests of the agent's servers (this one, kube-proxy's health check,
+/// the healthCheckNodePorts).
+#[cfg(test)]
+pub(crate) mod test_http {
+    use std::{net::SocketAddr, time::Duration};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// `GET path` over a fresh connection: the raw response, head and body.
+    pub async fn try_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+        let mut raw = String::new();
+        tcp.read_to_string(&mut raw).await?;
+        Ok(raw)
+    }
+
+    pub async fn get_raw(addr: SocketAddr, path: &str) -> String {
+        try_get(addr, path).await.unwrap()
+    }
+
+    /// [`get_raw`] once the server listens, for at most ~10 s; empty if it never does.
+    pub async fn get_once_served(addr: SocketAddr, path: &str) -> String {
+        for _ in 0..100 {
+            if let Ok(Ok(raw)) = tokio::time::timeout(Duration::from_secs(1), try_get(addr, path)).await {
+                return raw;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        String::new()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::{
-        io::{AsyncReadExt, AsyncWriteExt},
-        time::timeout,
-    };
+    use tokio::time::timeout;
 
     const PATIENCE: Duration = Duration::from_secs(5);
 
     /// One request over a fresh connection; (status, body).
     async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-        let exchange = async {
-            let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-            let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
-            tcp.write_all(req.as_bytes()).await.unwrap();
-            let mut raw = String::new();
-            tcp.read_to_string(&mut raw).await.unwrap();
-            raw
-        };
-        let raw = timeout(PATIENCE, exchange).await.expect("response in time");
+        let raw = timeout(PATIENCE, test_http::get_raw(addr, path)).await.expect("response in time");
         let (head, body) = raw.split_once("\r\n\r\n").expect("a full HTTP response");
         let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("status code");
         (status, body.to_owned())

@@ -83,25 +83,15 @@ async fn serve(port: u16, state: Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use crate::report::health::test_http;
 
+    /// `GET /healthz` on the loopback side of a server listening on all addresses.
     async fn get(port: u16) -> String {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
+        test_http::get_raw(SocketAddr::from(([127, 0, 0, 1], port)), "/healthz").await
     }
 
-    /// [`get`] once the server listens, for at most ~10 s; empty if it never does.
     async fn get_once_served(port: u16) -> String {
-        for _ in 0..100 {
-            if let Ok(Ok(x)) = tokio::time::timeout(std::time::Duration::from_secs(1), tokio::spawn(get(port))).await {
-                return x;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
-        String::new()
+        test_http::get_once_served(SocketAddr::from(([127, 0, 0, 1], port)), "/healthz").await
     }
 
     #[tokio::test]

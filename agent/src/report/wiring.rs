@@ -68,7 +68,7 @@ impl std::str::FromStr for OptionalAddr {
 /// running?) is reported, not fatal: the Services are routed all the same, and the port is
 /// tried again until it is free (kube-proxy removed), so cloud load balancers reach the
 /// node's health check without an agent restart.
-pub async fn serve_proxy_healthz(args: &StatusArgs, state: Arc<AgentState>) -> Option<JoinHandle<anyhow::Result<()>>> {
+pub fn serve_proxy_healthz(args: &StatusArgs, state: Arc<AgentState>) -> Option<JoinHandle<anyhow::Result<()>>> {
     let addr = args.proxy_healthz_addr.0?;
     Some(tokio::spawn(async move {
         let listener = health::bind_retrying(addr, "kube-proxy's health check").await;
@@ -196,25 +196,16 @@ mod tests {
     /// kube-proxy is gone, with no restart.
     #[tokio::test]
     async fn proxy_healthz_served_once_kube_proxy_lets_go() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let kube_proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = kube_proxy.local_addr().unwrap();
         let cli = Cli::try_parse_from(["x", &format!("--proxy-healthz-addr={addr}")]).unwrap();
-        let task = serve_proxy_healthz(&cli.status, Arc::new(AgentState::default())).await.expect("a task");
+        let task = serve_proxy_healthz(&cli.status, Arc::new(AgentState::default())).expect("a task");
         // Long enough for the first bind to fail.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         assert!(!task.is_finished(), "the server gave up on a taken port");
         drop(kube_proxy);
-        let mut reply = String::new();
-        // Bounded: retries come 0.5, 1 and 2 s apart.
-        for _ in 0..100 {
-            if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
-                s.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
-                s.read_to_string(&mut reply).await.unwrap();
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
+        // Retries come 0.5, 1 and 2 s apart.
+        let reply = crate::report::health::test_http::get_once_served(addr, "/livez").await;
         assert!(reply.starts_with("HTTP/1.1 "), "{reply}");
         assert!(reply.contains("lastUpdated"), "kube-proxy's JSON body: {reply}");
         task.abort();
