@@ -278,9 +278,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
         endpoints.iter().for_each(|h| h.abort());
         return Ok(());
     }
+    // The cluster's client (kube source only): Warning Events from here on, the watch later.
+    let kube_client = match args.source {
+        SourceSpec::Kube => Some(source::kube::client_from_env(args.kubeconfig.clone()).await?),
+        SourceSpec::Dir(_) => None,
+    };
+    let warnings = kube_client.as_ref().map(|c| crate::report::events::Warnings::new(c.clone(), &args.node_name));
     // From here on gardenet is the Service proxy: answer kube-proxy's health check too
     // (unhealthy until the dataplane is loaded and the first sync programmed).
-    let proxy_healthz = report::serve_proxy_healthz(&args.status, state.clone());
+    let proxy_healthz = report::serve_proxy_healthz(&args.status, state.clone(), warnings.clone());
     let sizes = MapSizes {
         services: args.map_services.unwrap_or(config.map_sizes.services),
         backends: args.map_backends.unwrap_or(config.map_sizes.backends),
@@ -355,14 +361,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
             tokio::spawn(source::dir::run(d, Duration::from_millis(args.poll_ms), args.node_name.clone(), tx))
         }
         SourceSpec::Kube => {
-            let client = source::kube::client_from_env(args.kubeconfig.clone()).await?;
+            let client = kube_client.context("the kube source has a client")?;
             if args.node_name.is_empty() {
                 tracing::warn!("no --node-name (NODE_NAME): not reporting readiness to Kubernetes");
             } else {
                 let r = report::Reporting::start(&args.status, client.clone(), &args.node_name, state.clone(), config.clone(), args.detach_on_exit);
                 reporting = Some(r.await?);
             }
-            problem_events = Some(crate::report::events::ProblemEvents::new(client.clone(), &args.node_name));
+            problem_events = warnings.clone().map(crate::report::events::ProblemEvents::new);
             tokio::spawn(source::kube::run(client, args.node_name.clone(), tx))
         }
     };
@@ -400,7 +406,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         fills: MapFills::default(),
         map_services: sizes.services as usize,
         map_backends: sizes.backends as usize,
-        health_checks: crate::report::healthcheck::HealthCheckServers::default(),
+        health_checks: crate::report::healthcheck::HealthCheckServers::new(warnings),
         departed_tcp: Vec::new(),
         ready: false,
     };

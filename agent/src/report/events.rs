@@ -11,37 +11,35 @@ use kube::{
 
 use crate::translate::{Problem, ProblemObject};
 
-/// Publishes each distinct (Service, problem) once; publishing happens off the run loop so an
-/// unreachable API server never delays programming.
-pub struct ProblemEvents {
+/// Warning Events on this node's objects; cloneable, so servers running in their own tasks
+/// (the health check ports) keep one. Publishing happens off the caller's task so an
+/// unreachable API server never delays anything.
+#[derive(Clone)]
+pub struct Warnings {
     recorder: Recorder,
-    seen: HashSet<(String, String)>,
     node: String,
 }
 
-/// Bound on remembered problems; past it the memory is reset (repeats are then re-published,
-/// which the API server folds into an event series).
-const MAX_SEEN: usize = 10_000;
-
-impl ProblemEvents {
+impl Warnings {
     pub fn new(client: Client, node_name: &str) -> Self {
         let reporter = Reporter { controller: "gardenet-agent".into(), instance: Some(node_name.to_owned()) };
-        ProblemEvents { recorder: Recorder::new(client, reporter), seen: HashSet::new(), node: node_name.to_owned() }
+        Warnings { recorder: Recorder::new(client, reporter), node: node_name.to_owned() }
+    }
+
+    /// The node this agent runs on (kube-proxy names it in its messages too).
+    pub fn node(&self) -> &str {
+        &self.node
     }
 
     /// A Warning Event on the agent's own Node (e.g. a map under pressure).
-    pub fn node_warning(&self, reason: &str, note: &str) {
+    pub fn on_node(&self, reason: &str, action: &str, note: &str) {
         let reference = ObjectReference { api_version: Some("v1".into()), kind: Some("Node".into()), name: Some(self.node.clone()), ..Default::default() };
-        self.publish(
-            Event {
-                type_: EventType::Warning,
-                reason: reason.into(),
-                note: Some(note.chars().take(1000).collect()),
-                action: "Program".into(),
-                secondary: None,
-            },
-            reference,
-        );
+        self.publish(warning(reason, action, note), reference);
+    }
+
+    /// A Warning Event on a Service.
+    pub fn on_service(&self, namespace: &str, name: &str, reason: &str, action: &str, note: &str) {
+        self.publish(warning(reason, action, note), reference("v1", "Service", namespace, name));
     }
 
     fn publish(&self, ev: Event, reference: ObjectReference) {
@@ -51,6 +49,41 @@ impl ProblemEvents {
                 tracing::debug!("publishing an event for {}/{}: {e}", reference.namespace.unwrap_or_default(), reference.name.unwrap_or_default());
             }
         });
+    }
+}
+
+fn warning(reason: &str, action: &str, note: &str) -> Event {
+    Event { type_: EventType::Warning, reason: reason.into(), note: Some(note.chars().take(1000).collect()), action: action.into(), secondary: None }
+}
+
+fn reference(api_version: &str, kind: &str, namespace: &str, name: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some(api_version.into()),
+        kind: Some(kind.into()),
+        namespace: Some(namespace.to_owned()),
+        name: Some(name.to_owned()),
+        ..Default::default()
+    }
+}
+
+/// Publishes each distinct (Service, problem) once.
+pub struct ProblemEvents {
+    warnings: Warnings,
+    seen: HashSet<(String, String)>,
+}
+
+/// Bound on remembered problems; past it the memory is reset (repeats are then re-published,
+/// which the API server folds into an event series).
+const MAX_SEEN: usize = 10_000;
+
+impl ProblemEvents {
+    pub fn new(warnings: Warnings) -> Self {
+        ProblemEvents { warnings, seen: HashSet::new() }
+    }
+
+    /// A Warning Event on the agent's own Node (e.g. a map under pressure).
+    pub fn node_warning(&self, reason: &str, note: &str) {
+        self.warnings.on_node(reason, "Program", note);
     }
 
     pub fn report(&mut self, problems: &[Problem]) {
@@ -66,21 +99,7 @@ impl ProblemEvents {
                 ProblemObject::Service => ("v1", "Service"),
                 ProblemObject::EndpointSlice => ("discovery.k8s.io/v1", "EndpointSlice"),
             };
-            let reference = ObjectReference {
-                api_version: Some(api_version.into()),
-                kind: Some(kind.into()),
-                namespace: Some(ns.to_owned()),
-                name: Some(name.to_owned()),
-                ..Default::default()
-            };
-            let ev = Event {
-                type_: EventType::Warning,
-                reason: p.kind.event_reason().into(),
-                note: Some(p.message.chars().take(1000).collect()),
-                action: "Program".into(),
-                secondary: None,
-            };
-            self.publish(ev, reference);
+            self.warnings.publish(warning(p.kind.event_reason(), "Program", &p.message), reference(api_version, kind, ns, name));
         }
     }
 }

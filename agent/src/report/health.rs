@@ -257,8 +257,10 @@ const BIND_RETRY_MAX: Duration = Duration::from_secs(30);
 /// Binds `addr` for the server `what`, trying again with growing pauses for as long as the
 /// task lives: the port may be held for a while by another process, kube-proxy above all
 /// while a node moves from it to gardenet. Giving up would leave load balancers seeing this
-/// node unhealthy until the agent restarts. The first failure is logged as a warning.
-pub async fn bind_retrying(addr: SocketAddr, what: &str) -> TcpListener {
+/// node unhealthy until the agent restarts. The first failure is logged as a warning and
+/// handed to `on_first_failure` (which publishes kube-proxy's Warning Event).
+pub async fn bind_retrying(addr: SocketAddr, what: &str, on_first_failure: impl FnOnce(&std::io::Error)) -> TcpListener {
+    let mut on_first_failure = Some(on_first_failure);
     let (mut pause, mut failures) = (BIND_RETRY_FIRST, 0u32);
     loop {
         match TcpListener::bind(addr).await {
@@ -274,6 +276,9 @@ pub async fn bind_retrying(addr: SocketAddr, what: &str) -> TcpListener {
                         "{what} on {addr}: cannot listen: {e} (held by another process, kube-proxy still running?); trying again, every {}s at most",
                         BIND_RETRY_MAX.as_secs()
                     );
+                    if let Some(f) = on_first_failure.take() {
+                        f(&e);
+                    }
                 }
                 failures += 1;
                 tokio::time::sleep(pause).await;
@@ -467,6 +472,24 @@ mod tests {
     use tokio::time::timeout;
 
     const PATIENCE: Duration = Duration::from_secs(5);
+
+    /// A taken port is reported once (the Warning Event), however often it is tried, and
+    /// bound once free.
+    #[tokio::test]
+    async fn bind_retrying_reports_the_first_failure_once() {
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = holder.local_addr().unwrap();
+        let reports = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = reports.clone();
+        let task = tokio::spawn(async move { bind_retrying(addr, "test", move |e| seen.lock().unwrap().push(e.kind())).await });
+        // Tried at 0, 0.5 and 1.5 s.
+        tokio::time::sleep(Duration::from_millis(1700)).await;
+        assert_eq!(*reports.lock().unwrap(), [std::io::ErrorKind::AddrInUse]);
+        drop(holder);
+        let l = timeout(PATIENCE, task).await.expect("bound once free").unwrap();
+        assert_eq!(l.local_addr().unwrap(), addr);
+        assert_eq!(reports.lock().unwrap().len(), 1);
+    }
 
     /// One request over a fresh connection; (status, body).
     async fn get(addr: SocketAddr, path: &str) -> (u16, String) {

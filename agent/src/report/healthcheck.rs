@@ -11,7 +11,7 @@ use http_body_util::Full;
 use hyper::{body::Bytes, Response, StatusCode};
 use tokio::task::JoinHandle;
 
-use crate::translate::HealthCheck;
+use crate::{report::events::Warnings, translate::HealthCheck};
 
 type Shared = Arc<RwLock<BTreeMap<u16, HealthCheck>>>;
 
@@ -20,6 +20,8 @@ type Shared = Arc<RwLock<BTreeMap<u16, HealthCheck>>>;
 pub struct HealthCheckServers {
     state: Shared,
     tasks: BTreeMap<u16, JoinHandle<()>>,
+    /// Where a port that cannot be bound is reported (on the Service, as kube-proxy does).
+    warnings: Option<Warnings>,
 }
 
 /// The body kube-proxy serves.
@@ -32,7 +34,18 @@ pub fn body(hc: &HealthCheck) -> String {
     .to_string()
 }
 
+/// kube-proxy's Event reason and message for a healthCheckNodePort it cannot listen on.
+pub const FAILED_TO_START: &str = "FailedToStartServiceHealthcheck";
+
+pub fn failed_to_start_note(node: &str, hc: &HealthCheck, err: &std::io::Error) -> String {
+    format!("node {node} failed to start healthcheck \"{}/{}\" on port {}: {err}", hc.namespace, hc.name, hc.port)
+}
+
 impl HealthCheckServers {
+    pub fn new(warnings: Option<Warnings>) -> Self {
+        HealthCheckServers { state: Shared::default(), tasks: BTreeMap::new(), warnings }
+    }
+
     pub fn update(&mut self, checks: BTreeMap<u16, HealthCheck>) {
         for (port, t) in &self.tasks {
             if !checks.contains_key(port) {
@@ -40,9 +53,9 @@ impl HealthCheckServers {
             }
         }
         self.tasks.retain(|p, _| checks.contains_key(p));
-        for port in checks.keys() {
+        for (port, hc) in &checks {
             if !self.tasks.contains_key(port) {
-                self.tasks.insert(*port, tokio::spawn(serve(*port, self.state.clone())));
+                self.tasks.insert(*port, tokio::spawn(serve(hc.clone(), self.state.clone(), self.warnings.clone())));
             }
         }
         *self.state.write().unwrap() = checks;
@@ -57,8 +70,15 @@ impl Drop for HealthCheckServers {
     }
 }
 
-async fn serve(port: u16, state: Shared) {
-    let l = crate::report::health::bind_retrying(SocketAddr::from(([0, 0, 0, 0], port)), "healthCheckNodePort").await;
+/// Serves `first` (the Service that claimed the port; later ones are read from `state`).
+async fn serve(first: HealthCheck, state: Shared, warnings: Option<Warnings>) {
+    let port = first.port;
+    let l = crate::report::health::bind_retrying(SocketAddr::from(([0, 0, 0, 0], port)), "healthCheckNodePort", |e| {
+        if let Some(w) = &warnings {
+            w.on_service(&first.namespace, &first.name, FAILED_TO_START, "Listen", &failed_to_start_note(w.node(), &first, e));
+        }
+    })
+    .await;
     // The port is open to anyone who reaches the node: the agent's hardened server (header
     // timeout, bounded connections and request heads, accept errors backed off).
     let respond = move |_req: &hyper::Request<hyper::body::Incoming>| {
@@ -110,6 +130,13 @@ mod tests {
         s.update(BTreeMap::new());
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err(), "listener closed");
+    }
+
+    #[test]
+    fn a_port_it_cannot_listen_on_is_told_as_kube_proxy_tells_it() {
+        let hc = HealthCheck { port: 32000, namespace: "d".into(), name: "web".into(), local_endpoints: 1 };
+        let e = std::io::Error::from_raw_os_error(98); // EADDRINUSE
+        assert_eq!(failed_to_start_note("n1", &hc, &e), r#"node n1 failed to start healthcheck "d/web" on port 32000: Address already in use (os error 98)"#);
     }
 
     /// A port held by another process (kube-proxy during a migration) is served once it is

@@ -17,6 +17,7 @@ use super::{
 };
 use crate::{
     gardener::config::NetworkConfig,
+    report::events::Warnings,
     report::health::{self, AgentState, InterfaceState},
     report::metrics::{ErrorKind, Metrics},
     source,
@@ -67,11 +68,17 @@ impl std::str::FromStr for OptionalAddr {
 /// Serves kube-proxy's health check on `--proxy-healthz-addr`. A taken port (kube-proxy still
 /// running?) is reported, not fatal: the Services are routed all the same, and the port is
 /// tried again until it is free (kube-proxy removed), so cloud load balancers reach the
-/// node's health check without an agent restart.
-pub fn serve_proxy_healthz(args: &StatusArgs, state: Arc<AgentState>) -> Option<JoinHandle<anyhow::Result<()>>> {
+/// node's health check without an agent restart. With `warnings`, the taken port is also a
+/// Warning Event on the Node, as kube-proxy reports it.
+pub fn serve_proxy_healthz(args: &StatusArgs, state: Arc<AgentState>, warnings: Option<Warnings>) -> Option<JoinHandle<anyhow::Result<()>>> {
     let addr = args.proxy_healthz_addr.0?;
     Some(tokio::spawn(async move {
-        let listener = health::bind_retrying(addr, "kube-proxy's health check").await;
+        let listener = health::bind_retrying(addr, "kube-proxy's health check", |e| {
+            if let Some(w) = &warnings {
+                w.on_node("FailedToStartProxierHealthcheck", "StartKubeProxy", &format!("Failed to start node healthz on {addr}: {e}"));
+            }
+        })
+        .await;
         tracing::info!("serving kube-proxy's health check (/healthz, /livez) on {addr}");
         health::serve_proxy_healthz(listener, state).await
     }))
@@ -199,7 +206,7 @@ mod tests {
         let kube_proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = kube_proxy.local_addr().unwrap();
         let cli = Cli::try_parse_from(["x", &format!("--proxy-healthz-addr={addr}")]).unwrap();
-        let task = serve_proxy_healthz(&cli.status, Arc::new(AgentState::default())).expect("a task");
+        let task = serve_proxy_healthz(&cli.status, Arc::new(AgentState::default()), None).expect("a task");
         // Long enough for the first bind to fail.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         assert!(!task.is_finished(), "the server gave up on a taken port");
