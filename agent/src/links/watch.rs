@@ -284,7 +284,9 @@ impl LinkWatcher {
 
 impl Drop for LinkWatcher {
     fn drop(&mut self) {
-        for t in &self.tasks {
+        // The follower first: once the connection task is gone its stream ends, and a
+        // follower still running would take that for a failed socket and log an error.
+        for t in self.tasks.iter().rev() {
             t.abort();
         }
     }
