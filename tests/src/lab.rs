@@ -355,6 +355,9 @@ pub struct Agent {
     pub bpffs: PathBuf,
     pub dir: PathBuf,
     pub log: Arc<Mutex<Vec<String>>>,
+    /// Told when the running agent's log has ended (its stderr closed), so that a stopped
+    /// agent's `log` holds every line it wrote.
+    log_end: Option<mpsc::Receiver<()>>,
     pub bin: PathBuf,
     opts: AgentOpts,
     /// How long a start may take until the agent reports ready (30 s; a bound, not a
@@ -375,6 +378,7 @@ impl Agent {
         std::fs::create_dir_all(&dir)?;
         let mut a = Agent {
             proc: None,
+            log_end: None,
             bpffs: PathBuf::from("/sys/fs/bpf").join(tag),
             dir,
             log: Default::default(),
@@ -453,6 +457,7 @@ impl Agent {
         let mut p = Proc::spawn(cmd, "gardenet-agent")?;
         let stderr = p.child.stderr.take().unwrap();
         let (tx, rx) = mpsc::channel();
+        let (end_tx, end_rx) = mpsc::channel();
         let log = self.log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -462,8 +467,10 @@ impl Agent {
                 eprintln!("    agent| {line}");
                 log.lock().unwrap().push(line);
             }
+            let _ = end_tx.send(());
         });
         self.proc = Some(p);
+        self.log_end = Some(end_rx);
         Ok(rx)
     }
 
@@ -593,9 +600,14 @@ impl Agent {
         }
     }
 
+    /// Stops the agent; returns once it is gone and its last log line is in `log` (or 5 s
+    /// after it is gone).
     pub fn stop(&mut self) {
         if let Some(mut p) = self.proc.take() {
             p.terminate();
+        }
+        if let Some(end) = self.log_end.take() {
+            let _ = end.recv_timeout(Duration::from_secs(5));
         }
     }
 }

@@ -266,7 +266,10 @@ pub async fn dump(opts: &WatchOptions) -> Result<Vec<LinkInfo>> {
 /// Live link events; dropping it stops the watch.
 pub struct LinkWatcher {
     events: mpsc::UnboundedReceiver<LinkEvent>,
-    tasks: [JoinHandle<()>; 2],
+    /// Turns notifications into events.
+    follow: JoinHandle<()>,
+    /// Drives the netlink socket.
+    conn: JoinHandle<()>,
 }
 
 impl LinkWatcher {
@@ -286,9 +289,8 @@ impl Drop for LinkWatcher {
     fn drop(&mut self) {
         // The follower first: once the connection task is gone its stream ends, and a
         // follower still running would take that for a failed socket and log an error.
-        for t in self.tasks.iter().rev() {
-            t.abort();
-        }
+        self.follow.abort();
+        self.conn.abort();
     }
 }
 
@@ -323,7 +325,7 @@ pub async fn watch(opts: WatchOptions) -> Result<(Vec<LinkInfo>, LinkWatcher)> {
         }
         tracing::error!("rtnetlink link notifications stopped (socket closed)");
     });
-    Ok((initial, LinkWatcher { events: rx, tasks: [conn, follow] }))
+    Ok((initial, LinkWatcher { events: rx, follow, conn }))
 }
 
 async fn apply(table: &mut Table, handle: &Handle, msg: NetlinkMessage<RouteNetlinkMessage>) -> Vec<LinkEvent> {
