@@ -121,6 +121,14 @@ pub struct RunArgs {
     /// found there when connected UDP sockets to a departed backend must be terminated.
     #[arg(long, default_value = "/proc")]
     pub host_proc: PathBuf,
+    /// The cluster's NodePort range (the API server's `--service-node-port-range`): the part
+    /// of it, and of TC LB's source-NAT ports, that the node's ephemeral port range includes
+    /// is added to `net.ipv4.ip_local_reserved_ports`, so no local connection uses such a port.
+    #[arg(long, default_value = "30000-32767")]
+    pub node_port_range: dataplane::reserved_ports::PortRange,
+    /// Leave `net.ipv4.ip_local_reserved_ports` alone.
+    #[arg(long)]
+    pub no_reserve_ports: bool,
     /// --health-addr, --metrics-addr, --network, --network-kubeconfig, --kube-proxy-enabled.
     #[command(flatten)]
     pub status: report::StatusArgs,
@@ -374,10 +382,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
 
     // Interfaces: selection by pattern, attached and kept attached as links come and go.
-    let mut iface_args = args.interfaces.clone();
-    iface_args.force.extend(args.tc_interfaces.iter().cloned());
-    let selector = iface_args.selector(&config.interfaces);
+    let selector = interface_selector(&args, &config.interfaces);
     let (links, mut watcher) = crate::links::watch(crate::links::WatchOptions::default()).await?;
+    let reserved_ports = reserved_ports_guard(&args, &selector, no_source_nat);
     let mut mgr = crate::links::LinkManager::new(selector, dp);
     mgr.sync(links, Instant::now());
     // Socket LB and the interfaces present now run the new programs: the old maps are done.
@@ -408,6 +415,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         map_backends: sizes.backends as usize,
         health_checks: crate::report::healthcheck::HealthCheckServers::new(warnings),
         departed_tcp: Vec::new(),
+        reserved_ports,
         ready: false,
     };
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -496,6 +504,8 @@ struct Agent {
     health_checks: crate::report::healthcheck::HealthCheckServers,
     /// TCP departures waiting out `TCP_TERMINATION_GRACE`.
     departed_tcp: Vec<(Instant, crate::pipeline::Departure)>,
+    /// NodePorts and source-NAT ports kept out of the node's ephemeral ports.
+    reserved_ports: dataplane::reserved_ports::Guard,
     /// The first full sync is programmed.
     ready: bool,
 }
@@ -566,6 +576,8 @@ impl Agent {
     /// datapath counters.
     fn on_tick(&mut self) {
         self.state.beat();
+        // Also after the start: a node's tuning may widen its ephemeral ports at any time.
+        self.reserved_ports.check();
         // TCP backends that left their Service and stayed away for the grace period: idle
         // sockets that socket LB sent there are terminated (see `sockterm`).
         let now = Instant::now();
@@ -629,6 +641,30 @@ async fn config_from_network(args: &RunArgs, network: &report::network::NetworkR
             Default::default()
         }
     }
+}
+
+/// Which interfaces TC LB attaches to: the patterns of the flags, else of the NetworkConfig,
+/// and `--tc-interface` forced.
+fn interface_selector(args: &RunArgs, config: &crate::gardener::config::Interfaces) -> crate::links::Selector {
+    let mut iface_args = args.interfaces.clone();
+    iface_args.force.extend(args.tc_interfaces.iter().cloned());
+    iface_args.selector(config)
+}
+
+/// The ports TC LB translates on the node's own addresses, to keep from local sockets: none
+/// when no interface can be selected (socket LB alone translates no packet addressed to the
+/// node) or with `--no-reserve-ports`.
+fn reserved_ports_guard(args: &RunArgs, selector: &crate::links::Selector, no_source_nat: bool) -> dataplane::reserved_ports::Guard {
+    use dataplane::reserved_ports::{Guard, PortRange, SysctlDirs};
+    let mut want = Vec::new();
+    if !args.no_reserve_ports && selector.may_select() {
+        want.push(("NodePorts", args.node_port_range));
+        if !no_source_nat {
+            let snat = PortRange::new(gardenet_common::SNAT_PORT_MIN, gardenet_common::SNAT_PORT_MIN + (gardenet_common::SNAT_PORT_COUNT - 1));
+            want.extend(snat.map(|r| ("source NAT", r)));
+        }
+    }
+    Guard::new(SysctlDirs::of_node(&args.host_proc), want)
 }
 
 /// Loads the programs and attaches socket LB (interfaces come later, from the link manager).
@@ -762,6 +798,25 @@ mod tests {
         ] {
             assert!(Run::try_parse_from(["run"].iter().chain(bad)).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn reserved_ports_follow_what_tc_lb_may_translate() {
+        use crate::dataplane::reserved_ports::PortRange;
+        use crate::gardener::config::Interfaces;
+        let want = |flags: &[&str], config: &Interfaces, no_snat: bool| {
+            let a = run_args(flags);
+            reserved_ports_guard(&a, &interface_selector(&a, config), no_snat).wanted().to_vec()
+        };
+        let (np, snat) = (PortRange::new(30000, 32767).unwrap(), PortRange::new(61000, 65535).unwrap());
+        let none = Interfaces { include: vec![], ..Default::default() };
+        assert_eq!(want(&[], &Interfaces::default(), false), [("NodePorts", np), ("source NAT", snat)]);
+        assert_eq!(want(&[], &Interfaces::default(), true), [("NodePorts", np)], "no source NAT on this kernel");
+        assert_eq!(want(&["--node-port-range=20000-22767"], &Interfaces::default(), true), [("NodePorts", PortRange::new(20000, 22767).unwrap())]);
+        assert_eq!(want(&[], &none, false), [], "socket LB alone translates no packet to the node");
+        assert_eq!(want(&["--tc-interface=eth0"], &none, false).len(), 2);
+        assert_eq!(want(&["--no-reserve-ports"], &Interfaces::default(), false), []);
+        assert!(Run::try_parse_from(["run", "--node-port-range=32767-30000"]).is_err());
     }
 
     #[test]

@@ -5,6 +5,7 @@ pub mod features;
 pub mod layout;
 pub mod lbmap;
 pub mod mapfill;
+pub mod reserved_ports;
 pub mod sockterm;
 
 use std::{

@@ -99,6 +99,11 @@ impl Selector {
         Self { include, exclude, force }
     }
 
+    /// Whether any interface could ever be selected (an include pattern or a forced name).
+    pub fn may_select(&self) -> bool {
+        !self.include.is_empty() || !self.force.is_empty()
+    }
+
     /// From the NetworkConfig's `interfaces` block plus the `--interface-force` names.
     pub fn from_config(interfaces: &Interfaces, force: Vec<String>) -> Self {
         Self::new(interfaces.include.clone(), interfaces.exclude.clone(), force)
