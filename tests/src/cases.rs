@@ -66,8 +66,10 @@ pub fn refuses_at_once(lab: &Lab, vip: &str) {
         let v = lab.client_json(socket_lb, &["connect", "--to", vip, "--timeout-ms", "3000"]).unwrap();
         eprintln!("zero backends {vip}, socket_lb={socket_lb}: {v}");
         assert_eq!(v["outcome"], refusal_outcome(socket_lb), "{v}");
+        // The first SYN is answered: a retransmitted one would go out only after 1 s. (Not a
+        // tighter bound: under emulation, in the kernel-matrix VMs, a refusal took 110 ms.)
         let ms = v["elapsed_ms"].as_f64().unwrap();
-        assert!(ms < 100.0, "refusal took {ms} ms: {v}");
+        assert!(ms < 900.0, "refusal took {ms} ms (not the first SYN's answer): {v}");
     }
     let u = lab.client_json(false, &["udp", "--to", vip, "--count", "5", "--timeout-ms", "100"]).unwrap();
     assert_eq!(u["errors"]["WouldBlock"], 5, "{u}");
