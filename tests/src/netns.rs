@@ -113,6 +113,15 @@ impl Netns {
         Ok(())
     }
 
+    /// The value of `key` in this namespace (as `sysctl -n` prints it).
+    pub fn sysctl_value(&self, key: &str) -> Result<String> {
+        let out = Command::new("ip").args(["netns", "exec", &self.name, "sysctl", "-n", key]).output()?;
+        if !out.status.success() {
+            bail!("sysctl {key} in {}: {}", self.name, String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
     /// A command that will run inside this namespace (and optionally a cgroup).
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>, cgroup: Option<&TestCgroup>) -> Result<Command> {
         let nsfd: OwnedFd = fs::File::open(self.path()).with_context(|| format!("opening {}", self.path().display()))?.into();

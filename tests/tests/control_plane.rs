@@ -422,11 +422,6 @@ fn a_large_first_sync_written_from_two_threads_programs_every_frontend_whole() {
     }
 }
 
-/// `net.ipv4.ip_local_reserved_ports` of the lab node.
-fn node_reserved_ports(lab: &Lab) -> String {
-    lab.node.run_in(|| std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports")).unwrap().unwrap().trim().to_string()
-}
-
 /// A node whose ephemeral ports are widened ("1024 65535", a common tuning) would hand its own
 /// connections NodePorts and source-NAT ports, whose replies TC LB translates: the agent
 /// reserves the overlap (keeping what the node reserved), also when the range is widened while
@@ -447,7 +442,7 @@ fn ports_tc_lb_translates_are_kept_from_the_nodes_own_connections() {
     agent.wait_backends(&format!("{np}/tcp"), 1).unwrap();
     // The default range includes neither: nothing written (several 500 ms checks later).
     std::thread::sleep(Duration::from_millis(1200));
-    assert_eq!(node_reserved_ports(&lab), "8080");
+    assert_eq!(lab.node.sysctl_value("net.ipv4.ip_local_reserved_ports").unwrap(), "8080");
     assert!(!agent.log.lock().unwrap().iter().any(|l| l.contains("reserved local ports")));
 
     // Widened while the agent runs: reserved within a check or two.
@@ -456,7 +451,7 @@ fn ports_tc_lb_translates_are_kept_from_the_nodes_own_connections() {
     eprintln!("{line}");
     let snat = gardenet_agent::dataplane::features::KernelFeatures::probe().fib_lookup_src;
     let want = if snat { "8080,30000-32767,61000-65535" } else { "8080,30000-32767" };
-    assert_eq!(node_reserved_ports(&lab), want, "{line}");
+    assert_eq!(lab.node.sysctl_value("net.ipv4.ip_local_reserved_ports").unwrap(), want, "{line}");
     assert!(line.contains("30000-32767 (NodePorts)"), "{line}");
     assert_eq!(line.contains("61000-65535 (source NAT)"), snat, "{line}");
     // And TC LB still serves the NodePort.

@@ -31,10 +31,6 @@ impl PortRange {
     fn intersect(self, o: PortRange) -> Option<PortRange> {
         PortRange::new(self.lo.max(o.lo), self.hi.min(o.hi))
     }
-
-    fn len(self) -> u32 {
-        u32::from(self.hi) - u32::from(self.lo) + 1
-    }
 }
 
 impl fmt::Display for PortRange {
@@ -125,12 +121,12 @@ pub fn format_reserved(v: &[PortRange]) -> String {
 }
 
 /// What one check found and did.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct Check {
     /// Ranges added to `ip_local_reserved_ports` now, each with what it protects.
     pub added: Vec<(&'static str, PortRange)>,
     /// The ephemeral range seen.
-    pub ephemeral: Option<PortRange>,
+    pub ephemeral: PortRange,
 }
 
 /// Reads the two sysctls under `dir` (`/proc/sys/net/ipv4` of the agent's network namespace:
@@ -148,28 +144,28 @@ pub fn protect(dir: &Path, write: &[PathBuf], want: &[(&'static str, PortRange)]
         want.iter().flat_map(|&(what, r)| unprotected(ephemeral, &reserved, r).into_iter().map(move |r| (what, r))).collect();
     if !added.is_empty() {
         let all: Vec<PortRange> = reserved.iter().copied().chain(added.iter().map(|(_, r)| *r)).collect();
-        let value = format_reserved(&all);
-        let mut last = None;
-        for d in write {
-            let p = d.join("ip_local_reserved_ports");
-            match std::fs::write(&p, &value) {
-                Ok(()) => return Ok(Check { added, ephemeral: Some(ephemeral) }),
-                Err(e) => last = Some(io(&p, e)),
-            }
-        }
-        return Err(last.unwrap_or(PortsError::Nowhere(value)));
+        write_first(write, &format_reserved(&all))?;
     }
-    Ok(Check { added, ephemeral: Some(ephemeral) })
+    Ok(Check { added, ephemeral })
+}
+
+/// Writes `ip_local_reserved_ports` through the first of `dirs` that takes it; else the last
+/// failure.
+fn write_first(dirs: &[PathBuf], value: &str) -> Result<(), PortsError> {
+    let mut last = PortsError::Nowhere(value.to_string());
+    for d in dirs {
+        let p = d.join("ip_local_reserved_ports");
+        match std::fs::write(&p, value) {
+            Ok(()) => return Ok(()),
+            Err(e) => last = PortsError::Io { path: p.display().to_string(), err: e.to_string() },
+        }
+    }
+    Err(last)
 }
 
 /// Ports of `added` (for the log).
 pub fn describe(added: &[(&'static str, PortRange)]) -> String {
     added.iter().map(|(what, r)| format!("{r} ({what})")).collect::<Vec<_>>().join(", ")
-}
-
-/// Number of ports in `v`.
-pub fn count(v: &[(&'static str, PortRange)]) -> u32 {
-    v.iter().map(|(_, r)| r.len()).sum()
 }
 
 /// Where the sysctls of the agent's network namespace (the node's, with `hostNetwork`) are
@@ -214,19 +210,19 @@ impl Guard {
         match protect(&self.dirs.read, &self.dirs.write, &self.want) {
             Ok(c) => {
                 if !c.added.is_empty() {
-                    let eph = c.ephemeral.map(|r| r.to_string()).unwrap_or_default();
                     tracing::info!(
-                        "reserved local ports {} (net.ipv4.ip_local_reserved_ports): the node's ephemeral ports ({eph}) include ports TC LB translates",
-                        describe(&c.added)
+                        "reserved local ports {} (net.ipv4.ip_local_reserved_ports): the node's ephemeral ports ({}) include ports TC LB translates",
+                        describe(&c.added),
+                        c.ephemeral
                     );
                 }
                 self.last_error = None;
             }
             Err(e) => {
                 if self.last_error.as_ref() != Some(&e) {
-                    let ports = self.want.iter().map(|(what, r)| format!("{r} ({what})")).collect::<Vec<_>>().join(", ");
                     tracing::warn!(
-                        "cannot check or reserve local ports {ports}: {e}; if net.ipv4.ip_local_port_range includes them, reserve them in net.ipv4.ip_local_reserved_ports, or the node's own connections from such a port may be translated"
+                        "cannot check or reserve local ports {}: {e}; if net.ipv4.ip_local_port_range includes them, reserve them in net.ipv4.ip_local_reserved_ports, or the node's own connections from such a port may be translated",
+                        describe(&self.want)
                     );
                 }
                 self.last_error = Some(e);
@@ -238,6 +234,11 @@ impl Guard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Number of ports in `v`.
+    fn count(v: &[(&'static str, PortRange)]) -> u32 {
+        v.iter().map(|(_, r)| u32::from(r.hi) - u32::from(r.lo) + 1).sum()
+    }
 
     fn r(lo: u16, hi: u16) -> PortRange {
         PortRange::new(lo, hi).unwrap()
