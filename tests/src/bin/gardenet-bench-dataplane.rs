@@ -16,7 +16,8 @@
 //!      side client (its link has no datapath attached; in turn, at random, and to one backend
 //!      only, one destination as the VIP is), then a short probe of direct
 //!      connections from the main client (which stale TC conntrack entries can break, see
-//!      `stale_ct_probe`);
+//!      `stale_ct_probe`), and (`tc-iptables`) TC LB in one ring with kube-proxy's iptables-nft
+//!      rules loaded beside the agent for the side client (`tc_beside_iptables`);
 //!   C. no agent: kube-proxy-style nat ruleset loaded with iptables-restore in the node
 //!      namespace (nft backend, then legacy if installed): iptables (client -> VIP);
 //!   D. kube-proxy's nftables-mode ruleset, loaded in one transaction: nftables (client -> VIP);
@@ -85,8 +86,9 @@ struct Args {
     /// modes talk to the very same server, which isolates the cost of the LB itself.
     #[arg(long, default_value_t = 3)]
     backends: usize,
-    /// Phases to run: socket, tc, iptables, nftables, ablation, packets.
-    #[arg(long, value_delimiter = ',', default_value = "socket,tc,iptables,nftables,ablation,packets")]
+    /// Phases to run: socket, tc, iptables, nftables, ablation, packets; and tc-iptables (with
+    /// tc: at each service count, TC LB and iptables-nft in one ring, see `tc_beside_iptables`).
+    #[arg(long, value_delimiter = ',', default_value = "socket,tc,tc-iptables,iptables,nftables,ablation,packets")]
     phases: Vec<String>,
     /// Length of the one long TCP stream per mode (seconds; 0: none).
     #[arg(long, default_value_t = 10.0)]
@@ -270,6 +272,9 @@ enum Target {
     /// The same from the lab's side client, whose link has no datapath attached (phase B).
     DirectSide(Pick),
     Vip(String),
+    /// A VIP from the side client: past no gardenet program, so kube-proxy's rules on the
+    /// node translate it while TC LB translates the main client's (`tc_beside_iptables`).
+    VipSide(String),
 }
 
 struct Mode {
@@ -283,7 +288,7 @@ impl Mode {
     fn to(&self, run: usize) -> String {
         match &self.target {
             Target::Direct(_) | Target::DirectSide(_) => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
-            Target::Vip(v) => format!("{v}:{PORT}"),
+            Target::Vip(v) | Target::VipSide(v) => format!("{v}:{PORT}"),
         }
     }
 
@@ -295,7 +300,7 @@ impl Mode {
             Target::Direct(Pick::One) | Target::DirectSide(Pick::One) => self.to(0),
             Target::Direct(Pick::Shared) | Target::DirectSide(Pick::Shared) => format!("{SHARED_IP}:{SERVER_PORT}"),
             Target::Direct(_) | Target::DirectSide(_) => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
-            Target::Vip(_) => self.to(0),
+            Target::Vip(_) | Target::VipSide(_) => self.to(0),
         }
     }
 
@@ -366,7 +371,7 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
 /// A mode's client command: the main client (in the cgroup or not), or the side client.
 fn mode_cmd(lab: &Lab, m: &Mode, args: &[&str]) -> Result<Command> {
     match m.target {
-        Target::DirectSide(_) => lab.side_client_cmd(args),
+        Target::DirectSide(_) | Target::VipSide(_) => lab.side_client_cmd(args),
         _ => lab.client_cmd(m.in_cgroup, args),
     }
 }
@@ -637,6 +642,9 @@ const CTL_DIRECT_B: &str = "direct, no datapath, side client (phase B)";
 const CTL_DIRECT_B_RANDOM: &str = "direct to a random backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_ONE: &str = "direct to one backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_SHARED: &str = "direct to one address on every backend (ECMP), no datapath, side client (phase B)";
+const ROW_TC_PAIR: &str = "TC LB, beside iptables-nft (phase B, node conntrack on)";
+const ROW_IPT_PAIR: &str = "iptables (nft), side client, beside TC LB (phase B)";
+const CTL_DIRECT_B_IPT: &str = "direct, side client, beside TC LB, iptables-nft rules loaded (phase B)";
 
 fn ipt_row(b: &IptBackend) -> String {
     format!("iptables ({})", b.label)
@@ -698,14 +706,17 @@ fn chain_hash(s: &str) -> String {
 
 /// A nat table built the way kube-proxy's iptables mode builds it for `n` ClusterIP Services
 /// with 3 endpoints each (no cluster CIDR configured, so client traffic is not masqueraded;
-/// the KUBE-MARK-MASQ hairpin rules are there as kube-proxy writes them).
-fn kube_ruleset(n: usize) -> String {
+/// the KUBE-MARK-MASQ hairpin rules are there as kube-proxy writes them). With `portals_from`,
+/// PREROUTING jumps to KUBE-SERVICES only for packets arriving on that interface, so traffic
+/// from other links (TC LB's, already translated) is not walked through the chain.
+fn kube_ruleset(n: usize, portals_from: Option<&str>) -> String {
     let mut chains = String::from(
         "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n\
          :KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n",
     );
-    let mut rules = String::from(
-        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+    let iif = portals_from.map(|i| format!("-i {i} ")).unwrap_or_default();
+    let mut rules = format!(
+        "-A PREROUTING {iif}-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
          -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
          -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
          -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n\
@@ -937,7 +948,8 @@ fn phase_socket_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     Ok(())
 }
 
-fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
+/// With `pair`, each service count also gets [`tc_beside_iptables`].
+fn phase_tc_lb(lab: &Lab, args: &Args, pair: Option<&IptBackend>, res: &mut Results) -> Result<()> {
     eprintln!("\nbench: phase B: agent with TC LB on nc0 (no socket LB)");
     // Largest set first: a fresh agent start with all of them, then shrinking (deletions).
     let mut ns = args.services.clone();
@@ -981,7 +993,35 @@ fn phase_tc_lb(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         measure(lab, &modes, n, args, res, false)?;
         streams(lab, &[&modes[0]], n, args, res)?;
         stale_ct_probe(lab, n, res)?;
+        if let Some(b) = pair {
+            tc_beside_iptables(lab, args, b, n, res)?;
+        }
     }
+    Ok(())
+}
+
+/// TC LB and kube-proxy's iptables rules in one ring of turns, so their ratio is measured in
+/// the same milliseconds of the host's life (phases B and C run minutes apart, and the ratio
+/// of their medians moved 1.66-1.81x between two runs of 2026-12-04 on one host). The rules
+/// are loaded beside the running agent with the portal jump limited to the side client's link
+/// (`nc1`, no gardenet program on it): the side client's VIP connections are iptables', the
+/// main client's are TC LB's (translated on `nc0` before netfilter sees them, so they never
+/// walk KUBE-SERVICES). With the nat table loaded, the node's netfilter conntrack tracks every
+/// connection, TC LB's too, which it does not in the rest of phase B: that cost is TC LB's here.
+fn tc_beside_iptables(lab: &Lab, args: &Args, b: &IptBackend, n: usize, res: &mut Results) -> Result<()> {
+    check_stop()?;
+    let rules = kube_ruleset(n, Some("nc1"));
+    let t0 = Instant::now();
+    let mut g = IptRules::load(&lab.node, b, &rules)?;
+    res.timing(format!("phase B: iptables-{} rules of {n} services for the side client, beside TC LB", b.label), t0.elapsed());
+    let v = vip(measured(n));
+    let modes = [
+        Mode { row: ROW_TC_PAIR.into(), in_cgroup: false, target: Target::Vip(v.clone()) },
+        Mode { row: ROW_IPT_PAIR.into(), in_cgroup: false, target: Target::VipSide(v) },
+        Mode { row: CTL_DIRECT_B_IPT.into(), in_cgroup: false, target: Target::DirectSide(Pick::Turn) },
+    ];
+    measure(lab, &modes, n, args, res, false)?;
+    g.flush();
     Ok(())
 }
 
@@ -1013,7 +1053,7 @@ fn phase_iptables(lab: &Lab, args: &Args, backends: &[IptBackend], res: &mut Res
         bail!("the VIP still answers with the agent stopped (TC programs left on nc0?): {v}");
     }
     for &n in &args.services {
-        let rules = kube_ruleset(n);
+        let rules = kube_ruleset(n, None);
         for b in backends {
             check_stop()?;
             let t0 = Instant::now();
@@ -1422,7 +1462,7 @@ fn ratio_line(o: &mut String, what: &str, res: &Results, (a, b): (&str, &str), n
     let (Some(ca), Some(cb)) = (cell(a), cell(b)) else { return };
     let r = median(&ca.samples) / median(&cb.samples);
     let mut line = format!("- {what}, {} services: {r:.2}x (target >= {target:.2}x: {})", thousands(n as f64), if r >= target { "met" } else { "MISSED" });
-    if let Some(r) = paired.then(|| run_by_run(&ca.samples, &cb.samples)).flatten() {
+    if let Some(r) = paired.then(|| run_by_run_cells(res, (a, b), n)).flatten() {
         let (m, lo, hi) = median_min_max(&r);
         line.push_str(&format!("; run by run {m:.2}x ({lo:.2}-{hi:.2}x)"));
         if let Some((lo, hi, cover)) = median_interval(&r, 0.9) {
@@ -1438,6 +1478,12 @@ fn ratio_line(o: &mut String, what: &str, res: &Results, (a, b): (&str, &str), n
     }
     o.push_str(&line);
     o.push('\n');
+}
+
+/// Row `a`'s runs over row `b`'s at `n` services, run by run (see [`run_by_run`]).
+fn run_by_run_cells(res: &Results, (a, b): (&str, &str), n: usize) -> Option<Vec<f64>> {
+    let cell = |row: &str| res.cells.get(&(row.to_owned(), n));
+    run_by_run(&cell(a)?.samples, &cell(b)?.samples)
 }
 
 /// a[i] / b[i] (None unless both have the same, non-zero number of runs).
@@ -1516,7 +1562,20 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     }
     if let Some(b) = backends.iter().find(|b| b.label == "nft") {
         if args.services.contains(&10_000) {
-            ratio_line(&mut o, "TC LB / iptables (nft)", res, (ROW_TC, &ipt_row(b)), 10_000, 1.8, false);
+            ratio_line(&mut o, "TC LB / iptables (nft), phases B and C", res, (ROW_TC, &ipt_row(b)), 10_000, 1.8, false);
+            ratio_line(&mut o, "TC LB / iptables (nft) beside it in one ring (phase B)", res, (ROW_TC_PAIR, ROW_IPT_PAIR), 10_000, 1.8, true);
+        }
+    }
+    let pair_rows = [ROW_TC_PAIR.to_string(), ROW_IPT_PAIR.into(), CTL_DIRECT_B_IPT.into()];
+    if res.cells.keys().any(|(r, _)| pair_rows.contains(r)) {
+        o.push_str("\n### TC LB and iptables-nft in one ring (phase B: rules for the side client beside the agent)\n\n");
+        table(&mut o, res, &pair_rows, &args.services);
+        o.push('\n');
+        for &n in &args.services {
+            if let Some(r) = run_by_run_cells(res, (ROW_TC_PAIR, ROW_IPT_PAIR), n) {
+                let (m, lo, hi) = median_min_max(&r);
+                o.push_str(&format!("- TC LB / iptables (nft) beside it, {} services: run by run {m:.2}x ({lo:.2}-{hi:.2}x)\n", thousands(n as f64)));
+            }
         }
     }
     o.push_str("\n### First-reply latency of new connections (connect() to the first byte of the reply)\n\n");
@@ -1761,6 +1820,9 @@ fn main() -> Result<()> {
     let mut lab = Lab::new(nbe())?;
     lab.add_side_client()?;
     lab.add_shared_address()?;
+    // The side client's VIP connections cross no gardenet program (`nc1` has none): only the
+    // iptables rules of `tc_beside_iptables` answer them.
+    lab.side_client.as_ref().context("no side client")?.ip(&["route", "add", "198.19.0.0/16", "via", gardenet_tests::lab::SIDE_NODE_IP])?;
     for client in std::iter::once(&lab.client).chain(&lab.side_client) {
         // A wide ephemeral port range in the client namespaces: tens of thousands of
         // connections per minute to one destination must not run out of ports in TIME_WAIT.
@@ -1778,7 +1840,11 @@ fn main() -> Result<()> {
             phase_socket_lb(&lab, &args, &mut res)?;
         }
         if on("tc") {
-            phase_tc_lb(&lab, &args, &mut res)?;
+            let pair = backends.iter().find(|b| b.label == "nft").filter(|_| on("tc-iptables"));
+            if on("tc-iptables") && pair.is_none() {
+                res.skipped.push("TC LB beside iptables-nft (phase B): no iptables-nft-restore".into());
+            }
+            phase_tc_lb(&lab, &args, pair, &mut res)?;
         }
         if on("iptables") {
             phase_iptables(&lab, &args, &backends, &mut res)?;
@@ -1830,6 +1896,20 @@ mod tests {
     }
 
     #[test]
+    fn portal_jump_is_limited_to_one_link_only_when_asked() {
+        let _ = NBE_CELL.set(3);
+        let jumps = |r: &str| r.lines().filter(|l| l.starts_with("-A PREROUTING")).map(String::from).collect::<Vec<_>>();
+        let (all, side) = (kube_ruleset(2, None), kube_ruleset(2, Some("nc1")));
+        assert_eq!(jumps(&all), ["-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"]);
+        assert_eq!(jumps(&side), ["-A PREROUTING -i nc1 -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"]);
+        // Everything else is kube-proxy's ruleset as before.
+        assert_eq!(
+            all.lines().filter(|l| !l.starts_with("-A PREROUTING")).collect::<Vec<_>>(),
+            side.lines().filter(|l| !l.starts_with("-A PREROUTING")).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
     fn direct_picks_reach_the_backends_they_name() {
         let _ = NBE_CELL.set(3);
         let m = |target| Mode { row: String::new(), in_cgroup: false, target };
@@ -1840,6 +1920,7 @@ mod tests {
             (Target::DirectSide(Pick::One), format!("{}:{SERVER_PORT}", backend_ip(0)), 1, &[][..]),
             (Target::DirectSide(Pick::Shared), format!("{SHARED_IP}:{SERVER_PORT}"), 3, &[][..]),
             (Target::Vip("198.19.0.1".into()), format!("198.19.0.1:{PORT}"), 3, &[][..]),
+            (Target::VipSide("198.19.0.1".into()), format!("198.19.0.1:{PORT}"), 3, &[][..]),
         ] {
             let m = m(t);
             assert_eq!((m.to_all(), m.answering(), m.pick_args()), (to, answering, flags));
