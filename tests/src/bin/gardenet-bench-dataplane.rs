@@ -642,9 +642,18 @@ const CTL_DIRECT_B: &str = "direct, no datapath, side client (phase B)";
 const CTL_DIRECT_B_RANDOM: &str = "direct to a random backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_ONE: &str = "direct to one backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_SHARED: &str = "direct to one address on every backend (ECMP), no datapath, side client (phase B)";
-const ROW_TC_PAIR: &str = "TC LB, beside iptables-nft (phase B, node conntrack on)";
-const ROW_IPT_PAIR: &str = "iptables (nft), side client, beside TC LB (phase B)";
-const CTL_DIRECT_B_IPT: &str = "direct, side client, beside TC LB, iptables-nft rules loaded (phase B)";
+/// The rows of `tc_beside_iptables`: TC LB, iptables-nft, direct under the rules; TC LB's
+/// connections tracked by the node's conntrack, then untracked.
+const PAIR_TRACKED: [&str; 3] = [
+    "TC LB, tracked by the node's conntrack, beside iptables-nft (phase B)",
+    "iptables (nft), side client, beside TC LB tracked (phase B)",
+    "direct, side client, iptables-nft rules loaded, beside TC LB tracked (phase B)",
+];
+const PAIR_UNTRACKED: [&str; 3] = [
+    "TC LB, untracked (raw notrack), beside iptables-nft (phase B)",
+    "iptables (nft), side client, beside TC LB untracked (phase B)",
+    "direct, side client, iptables-nft rules loaded, beside TC LB untracked (phase B)",
+];
 
 fn ipt_row(b: &IptBackend) -> String {
     format!("iptables ({})", b.label)
@@ -883,12 +892,15 @@ fn node_run(node: &Netns, prog: &str, args: &[&str], stdin: Option<&str>, timeou
 struct IptRules<'a> {
     node: &'a Netns,
     backend: &'a IptBackend,
+    /// The tables the rules fill (their `*table` lines).
+    tables: Vec<String>,
     loaded: bool,
 }
 
 impl<'a> IptRules<'a> {
     fn load(node: &'a Netns, backend: &'a IptBackend, rules: &str) -> Result<Self> {
-        let mut g = IptRules { node, backend, loaded: true };
+        let tables = rules.lines().filter_map(|l| l.strip_prefix('*')).map(String::from).collect();
+        let mut g = IptRules { node, backend, tables, loaded: true };
         if let Err(e) = node_run(node, backend.restore, &[], Some(rules), Duration::from_secs(600)) {
             g.flush();
             return Err(e);
@@ -896,19 +908,21 @@ impl<'a> IptRules<'a> {
         Ok(g)
     }
 
-    /// Removes the nat rules and chains. For nft, the whole `ip nat` table goes, so no empty
-    /// nat hooks stay behind; legacy tables cannot be unregistered short of deleting the
+    /// Removes the rules and chains. For nft, each whole table (`ip nat`, `ip raw`) goes, so no
+    /// empty hooks stay behind; legacy tables cannot be unregistered short of deleting the
     /// namespace, so their (empty) built-in chains stay.
     fn flush(&mut self) {
         if !std::mem::take(&mut self.loaded) {
             return;
         }
         let t = Duration::from_secs(300);
-        if self.backend.label == "nft" && have("nft") && node_run(self.node, "nft", &["delete", "table", "ip", "nat"], None, t).is_ok() {
-            return;
+        for table in &self.tables {
+            if self.backend.label == "nft" && have("nft") && node_run(self.node, "nft", &["delete", "table", "ip", table], None, t).is_ok() {
+                continue;
+            }
+            let _ = node_run(self.node, self.backend.cli, &["-t", table, "-F"], None, t);
+            let _ = node_run(self.node, self.backend.cli, &["-t", table, "-X"], None, t);
         }
-        let _ = node_run(self.node, self.backend.cli, &["-t", "nat", "-F"], None, t);
-        let _ = node_run(self.node, self.backend.cli, &["-t", "nat", "-X"], None, t);
     }
 }
 
@@ -1006,23 +1020,39 @@ fn phase_tc_lb(lab: &Lab, args: &Args, pair: Option<&IptBackend>, res: &mut Resu
 /// are loaded beside the running agent with the portal jump limited to the side client's link
 /// (`nc1`, no gardenet program on it): the side client's VIP connections are iptables', the
 /// main client's are TC LB's (translated on `nc0` before netfilter sees them, so they never
-/// walk KUBE-SERVICES). With the nat table loaded, the node's netfilter conntrack tracks every
-/// connection, TC LB's too, which it does not in the rest of phase B: that cost is TC LB's here.
+/// walk KUBE-SERVICES). With a nat table loaded the node's netfilter conntrack tracks every
+/// connection, which it does not in the rest of phase B; so the ring runs twice: with TC LB's
+/// connections tracked too (a node where something else needs conntrack), and with them
+/// exempt (`CT --notrack` in the raw table for the main client's link and the replies to it;
+/// both clients' packets then pass the raw hook's two rules), as on a node without kube-proxy.
 fn tc_beside_iptables(lab: &Lab, args: &Args, b: &IptBackend, n: usize, res: &mut Results) -> Result<()> {
-    check_stop()?;
-    let rules = kube_ruleset(n, Some("nc1"));
-    let t0 = Instant::now();
-    let mut g = IptRules::load(&lab.node, b, &rules)?;
-    res.timing(format!("phase B: iptables-{} rules of {n} services for the side client, beside TC LB", b.label), t0.elapsed());
     let v = vip(measured(n));
-    let modes = [
-        Mode { row: ROW_TC_PAIR.into(), in_cgroup: false, target: Target::Vip(v.clone()) },
-        Mode { row: ROW_IPT_PAIR.into(), in_cgroup: false, target: Target::VipSide(v) },
-        Mode { row: CTL_DIRECT_B_IPT.into(), in_cgroup: false, target: Target::DirectSide(Pick::Turn) },
-    ];
-    measure(lab, &modes, n, args, res, false)?;
-    g.flush();
+    for (rows, raw) in [(PAIR_TRACKED, ""), (PAIR_UNTRACKED, &*untracked_main_client())] {
+        check_stop()?;
+        let rules = format!("{raw}{}", kube_ruleset(n, Some("nc1")));
+        let t0 = Instant::now();
+        let mut g = IptRules::load(&lab.node, b, &rules)?;
+        res.timing(format!("phase B: iptables-{} rules of {n} services for the side client, beside TC LB", b.label), t0.elapsed());
+        let modes = [
+            Mode { row: rows[0].into(), in_cgroup: false, target: Target::Vip(v.clone()) },
+            Mode { row: rows[1].into(), in_cgroup: false, target: Target::VipSide(v.clone()) },
+            Mode { row: rows[2].into(), in_cgroup: false, target: Target::DirectSide(Pick::Turn) },
+        ];
+        measure(lab, &modes, n, args, res, false)?;
+        g.flush();
+    }
     Ok(())
+}
+
+/// A raw table that keeps the main client's connections (TC LB's) out of netfilter conntrack.
+fn untracked_main_client() -> String {
+    format!(
+        "*raw\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n\
+         -A PREROUTING -i nc0 -j CT --notrack\n\
+         -A PREROUTING -i br0 -d {}/32 -j CT --notrack\n\
+         COMMIT\n",
+        gardenet_tests::lab::CLIENT_IP
+    )
 }
 
 /// After TC LB traffic, direct connections from the same client to the backends: with TC LB
@@ -1563,18 +1593,25 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     if let Some(b) = backends.iter().find(|b| b.label == "nft") {
         if args.services.contains(&10_000) {
             ratio_line(&mut o, "TC LB / iptables (nft), phases B and C", res, (ROW_TC, &ipt_row(b)), 10_000, 1.8, false);
-            ratio_line(&mut o, "TC LB / iptables (nft) beside it in one ring (phase B)", res, (ROW_TC_PAIR, ROW_IPT_PAIR), 10_000, 1.8, true);
+            for (what, rows) in [("untracked", PAIR_UNTRACKED), ("tracked by the node's conntrack", PAIR_TRACKED)] {
+                ratio_line(&mut o, &format!("TC LB {what} / iptables (nft) beside it in one ring (phase B)"), res, (rows[0], rows[1]), 10_000, 1.8, true);
+            }
         }
     }
-    let pair_rows = [ROW_TC_PAIR.to_string(), ROW_IPT_PAIR.into(), CTL_DIRECT_B_IPT.into()];
+    let pair_rows: Vec<String> = PAIR_UNTRACKED.iter().chain(&PAIR_TRACKED).map(|r| r.to_string()).collect();
     if res.cells.keys().any(|(r, _)| pair_rows.contains(r)) {
         o.push_str("\n### TC LB and iptables-nft in one ring (phase B: rules for the side client beside the agent)\n\n");
         table(&mut o, res, &pair_rows, &args.services);
         o.push('\n');
         for &n in &args.services {
-            if let Some(r) = run_by_run_cells(res, (ROW_TC_PAIR, ROW_IPT_PAIR), n) {
-                let (m, lo, hi) = median_min_max(&r);
-                o.push_str(&format!("- TC LB / iptables (nft) beside it, {} services: run by run {m:.2}x ({lo:.2}-{hi:.2}x)\n", thousands(n as f64)));
+            for (what, rows) in [("untracked", PAIR_UNTRACKED), ("tracked", PAIR_TRACKED)] {
+                if let Some(r) = run_by_run_cells(res, (rows[0], rows[1]), n) {
+                    let (m, lo, hi) = median_min_max(&r);
+                    o.push_str(&format!(
+                        "- TC LB {what} / iptables (nft) beside it, {} services: run by run {m:.2}x ({lo:.2}-{hi:.2}x)\n",
+                        thousands(n as f64)
+                    ));
+                }
             }
         }
     }
