@@ -899,8 +899,7 @@ struct IptRules<'a> {
 
 impl<'a> IptRules<'a> {
     fn load(node: &'a Netns, backend: &'a IptBackend, rules: &str) -> Result<Self> {
-        let tables = rules.lines().filter_map(|l| l.strip_prefix('*')).map(String::from).collect();
-        let mut g = IptRules { node, backend, tables, loaded: true };
+        let mut g = IptRules { node, backend, tables: tables_of(rules), loaded: true };
         if let Err(e) = node_run(node, backend.restore, &[], Some(rules), Duration::from_secs(600)) {
             g.flush();
             return Err(e);
@@ -924,6 +923,11 @@ impl<'a> IptRules<'a> {
             let _ = node_run(self.node, self.backend.cli, &["-t", table, "-X"], None, t);
         }
     }
+}
+
+/// The tables an `iptables-restore` input fills, in order: its `*table` lines.
+fn tables_of(rules: &str) -> Vec<String> {
+    rules.lines().filter_map(|l| l.strip_prefix('*')).map(String::from).collect()
 }
 
 impl Drop for IptRules<'_> {
@@ -1944,6 +1948,22 @@ mod tests {
             all.lines().filter(|l| !l.starts_with("-A PREROUTING")).collect::<Vec<_>>(),
             side.lines().filter(|l| !l.starts_with("-A PREROUTING")).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn the_untracked_ring_exempts_only_the_main_client_and_every_table_is_removed() {
+        let _ = NBE_CELL.set(3);
+        let rules = format!("{}{}", untracked_main_client(), kube_ruleset(2, Some("nc1")));
+        // Both tables the ring fills are named, so the flush removes the raw one too.
+        assert_eq!(tables_of(&rules), ["raw", "nat"]);
+        assert_eq!(tables_of(&kube_ruleset(2, None)), ["nat"]);
+        let raw = untracked_main_client();
+        let notrack: Vec<&str> = raw.lines().filter(|l| l.contains("--notrack")).collect();
+        let client = format!("-d {}/32", gardenet_tests::lab::CLIENT_IP);
+        assert_eq!(notrack.len(), 2);
+        // The main client's link and the replies to it: never the side client (nc1).
+        assert!(notrack[0].contains("-i nc0 ") && notrack[1].contains(&client), "{notrack:?}");
+        assert!(notrack.iter().all(|l| !l.contains("nc1")));
     }
 
     #[test]
