@@ -1031,9 +1031,9 @@ fn phase_tc_lb(lab: &Lab, args: &Args, pair: Option<&IptBackend>, res: &mut Resu
 /// both clients' packets then pass the raw hook's two rules), as on a node without kube-proxy.
 fn tc_beside_iptables(lab: &Lab, args: &Args, b: &IptBackend, n: usize, res: &mut Results) -> Result<()> {
     let v = vip(measured(n));
-    for (rows, raw) in [(PAIR_TRACKED, ""), (PAIR_UNTRACKED, &*untracked_main_client())] {
+    for (rows, untracked) in [(PAIR_TRACKED, false), (PAIR_UNTRACKED, true)] {
         check_stop()?;
-        let rules = format!("{raw}{}", kube_ruleset(n, Some("nc1")));
+        let rules = ring_rules(n, untracked);
         let t0 = Instant::now();
         let mut g = IptRules::load(&lab.node, b, &rules)?;
         res.timing(format!("phase B: iptables-{} rules of {n} services for the side client, beside TC LB", b.label), t0.elapsed());
@@ -1046,6 +1046,13 @@ fn tc_beside_iptables(lab: &Lab, args: &Args, b: &IptBackend, n: usize, res: &mu
         g.flush();
     }
     Ok(())
+}
+
+/// The rules one pass of the ring loads: kube-proxy's for the side client's link, after the
+/// raw table that exempts TC LB's connections when `untracked`.
+fn ring_rules(n: usize, untracked: bool) -> String {
+    let raw = if untracked { untracked_main_client() } else { String::new() };
+    format!("{raw}{}", kube_ruleset(n, Some("nc1")))
 }
 
 /// A raw table that keeps the main client's connections (TC LB's) out of netfilter conntrack.
@@ -1953,12 +1960,11 @@ mod tests {
     #[test]
     fn the_untracked_ring_exempts_only_the_main_client_and_every_table_is_removed() {
         let _ = NBE_CELL.set(3);
-        let rules = format!("{}{}", untracked_main_client(), kube_ruleset(2, Some("nc1")));
+        let rules = ring_rules(2, true);
         // Both tables the ring fills are named, so the flush removes the raw one too.
         assert_eq!(tables_of(&rules), ["raw", "nat"]);
         assert_eq!(tables_of(&kube_ruleset(2, None)), ["nat"]);
-        let raw = untracked_main_client();
-        let notrack: Vec<&str> = raw.lines().filter(|l| l.contains("--notrack")).collect();
+        let notrack: Vec<&str> = rules.lines().filter(|l| l.contains("--notrack")).collect();
         let client = format!("-d {}/32", gardenet_tests::lab::CLIENT_IP);
         assert_eq!(notrack.len(), 2);
         // The main client's link and the replies to it: never the side client (nc1).
