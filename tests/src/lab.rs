@@ -189,39 +189,18 @@ impl Lab {
 
     /// Waits until every server answers directly (from the client, without any LB).
     fn wait_servers(&self) -> Result<()> {
-        for i in 0..self.backends.len() {
-            let to = format!("{}:{SERVER_PORT}", backend_ip(i));
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let v = self.client_json(false, &["tcp", "--to", &to, "--count", "1", "--timeout-ms", "300"]);
-                if v.as_ref().is_ok_and(|v| v["counts"][backend_name(i)] == 1) {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!("server {} at {to} does not answer: {v:?}", backend_name(i));
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-        Ok(())
+        self.wait_servers_at(|i| format!("{}:{SERVER_PORT}", backend_ip(i)))
     }
 
     /// Waits until every server answers directly over IPv6 (first neighbour discovery and
     /// the bridge's link-local setup can take a moment).
     pub fn wait_servers6(&self) -> Result<()> {
+        self.wait_servers_at(|i| format!("[{}]:{SERVER_PORT}", backend_ip6(i)))
+    }
+
+    fn wait_servers_at(&self, to: impl Fn(usize) -> String) -> Result<()> {
         for i in 0..self.backends.len() {
-            let to = format!("[{}]:{SERVER_PORT}", backend_ip6(i));
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let v = self.client_json(false, &["tcp", "--to", &to, "--count", "1", "--timeout-ms", "300"]);
-                if v.as_ref().is_ok_and(|v| v["counts"][backend_name(i)] == 1) {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!("server {} at {to} does not answer: {v:?}", backend_name(i));
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
+            wait_answer(|args| self.client_json(false, args), &to(i), &backend_name(i))?;
         }
         Ok(())
     }
@@ -258,6 +237,22 @@ fn veth_pair(a: &Netns, (a_if, a_ip): (&str, &str), b: &Netns, (b_if, b_ip): (&s
     b.ip(&["addr", "add", &format!("{b_ip}/24"), "dev", b_if])?;
     b.ip(&["link", "set", b_if, "up"])?;
     Ok(())
+}
+
+/// Waits until the server `name` at `to` answers one connection of the netkit client that
+/// `client_json` runs (10 s at most: the first neighbour discovery can take a moment).
+pub fn wait_answer(client_json: impl Fn(&[&str]) -> Result<serde_json::Value>, to: &str, name: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = client_json(&["tcp", "--to", to, "--count", "1", "--timeout-ms", "300"]);
+        if v.as_ref().is_ok_and(|v| v["counts"][name] == 1) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{name} at {to} does not answer the client directly: {v:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Runs a netkit client command (`args` for messages) to completion and parses its JSON output.

@@ -2,6 +2,7 @@ pub mod apiserver;
 pub mod bpfstats;
 pub mod cases;
 pub mod corpus;
+pub mod interrupt;
 pub mod lab;
 pub mod machine;
 pub mod netns;

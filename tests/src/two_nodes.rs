@@ -15,13 +15,9 @@
 //! the connection would fail. The client routes service VIPs (198.19.0.0/16) and the local
 //! pods' networks via the node. IPv6 mirrors the plan: fd00:18:N::host for 198.18.N.host,
 //! VIPs in fd00:19::/64. No namespace has a default route.
-use std::{
-    path::PathBuf,
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{path::PathBuf, process::Command};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use serde_json::Value;
 
 use crate::netns::{sibling_binary, sweep_leftovers, unique_tag, Netns, Proc, TestCgroup};
@@ -132,17 +128,7 @@ impl TwoNodes {
             want.push((format!("[{}]:{SERVER_PORT}", local_pod6(i)), local_pod_name(i)));
         }
         for (to, name) in want {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let v = self.client_json(false, &["tcp", "--to", &to, "--count", "1", "--timeout-ms", "300"]);
-                if v.as_ref().is_ok_and(|v| v["counts"][&name] == 1) {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!("{name} at {to} does not answer the client directly: {v:?}");
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
+            crate::lab::wait_answer(|args| self.client_json(false, args), &to, &name)?;
         }
         Ok(())
     }

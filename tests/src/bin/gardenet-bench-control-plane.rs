@@ -49,6 +49,7 @@ use gardenet_agent::{
     source::{dir::DirState, SourceEvent},
     translate::{self, NodeInfo},
 };
+use gardenet_tests::interrupt;
 use k8s_openapi::{
     api::{
         core::v1::{ObjectReference, Service, ServicePort, ServiceSpec},
@@ -108,19 +109,6 @@ static LEAN: AtomicBool = AtomicBool::new(false);
 
 fn lean() -> bool {
     LEAN.load(Ordering::Relaxed)
-}
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
-
-fn check_stop() -> Result<()> {
-    if STOP.load(Ordering::SeqCst) {
-        bail!("interrupted");
-    }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -597,7 +585,7 @@ fn run_pipeline<M: LbMaps + Dump>(a: &Args, maps: M, world: &mut World, pin_dir:
     rep.gen = t.elapsed() - digest;
     rep.sync_digest = digest;
     rep.rss_before_sync_kib = status_kib("self", "VmRSS:").unwrap_or(0);
-    check_stop()?;
+    interrupt::check()?;
 
     // 1. Full sync.
     let mut p = Pipeline::new(maps, LbState::new(), NodeInfo { name: "node-000".into(), ..Default::default() });
@@ -632,7 +620,7 @@ fn run_pipeline<M: LbMaps + Dump>(a: &Args, maps: M, world: &mut World, pin_dir:
     let mut rng = Rng(a.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let ports = if a.udp { 2 } else { 1 };
     for c in 0..a.changes {
-        check_stop()?;
+        interrupt::check()?;
         let i = rng.below(n);
         let kind = match c % 3 {
             0 => "add",
@@ -815,7 +803,7 @@ fn agent_process(bin: &Path, source: &[String], pin: &Path, sizes: &MapSizes) ->
     });
     let mut log = Vec::new();
     let (ready, line) = loop {
-        check_stop()?;
+        interrupt::check()?;
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(l) if l.contains("ready: first full sync") => break (t0.elapsed(), l),
             Ok(l) => log.push(l),
@@ -873,11 +861,7 @@ fn agent_kube(a: &Args, world: &World, bin: &Path, tmp: &Path, pin: &Path) -> Re
 fn main() -> Result<()> {
     let a = Args::parse();
     LEAN.store(a.lean, Ordering::Relaxed);
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
+    gardenet_tests::interrupt::install();
     anyhow::ensure!(a.services > 0 && a.services <= 60_000, "--services must be 1..=60000 (VIP range)");
     let load_before = gardenet_tests::machine::loadavg();
     let mut rep = Report { rss_start_kib: status_kib("self", "VmRSS:").unwrap_or(0), ..Default::default() };
@@ -912,7 +896,7 @@ fn main() -> Result<()> {
         }
         drop(dp);
     }
-    check_stop()?;
+    interrupt::check()?;
 
     if !a.quick {
         // Same objects, same changes, no syscalls: the difference is the kernel map cost.
@@ -921,11 +905,11 @@ fn main() -> Result<()> {
             rep.mem = Some(run_pipeline(&a, MemMaps::default(), &mut w, None)?);
         }
         rep.translate_only = Some(translate_only(&a, &initial)?);
-        check_stop()?;
+        interrupt::check()?;
         let tmp = std::env::temp_dir().join(format!("gardenet-bench-cp-{pid}"));
         let _tmp = RmDir(tmp.clone());
         dir_source(&a, &world, &tmp, &mut rep)?;
-        check_stop()?;
+        interrupt::check()?;
         if !a.no_agent_process {
             let bin = match &a.agent_bin {
                 Some(b) => b.clone(),
@@ -933,7 +917,7 @@ fn main() -> Result<()> {
             };
             let apin = PathBuf::from(format!("/sys/fs/bpf/gardenet-bench-{pid}-agent"));
             rep.agent = Some(agent_process(&bin, &[format!("--source=dir:{}", tmp.display())], &apin, &map_sizes(&a)).map_err(|e| format!("{e:#}")));
-            check_stop()?;
+            interrupt::check()?;
             let apin = PathBuf::from(format!("/sys/fs/bpf/gardenet-bench-{pid}-agent-kube"));
             rep.agent_kube = Some(agent_kube(&a, &world, &bin, &tmp, &apin).map_err(|e| format!("{e:#}")));
         }

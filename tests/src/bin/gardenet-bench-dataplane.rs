@@ -28,13 +28,13 @@ use std::{
     collections::BTreeMap,
     io::Write,
     process::{Command, Stdio},
-    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gardenet_tests::{
+    interrupt,
     lab::{backend_ip, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT, SHARED_IP},
     netns::Netns,
 };
@@ -121,27 +121,14 @@ fn nbe() -> usize {
 }
 const MAX_SERVICES: usize = 60_000;
 
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
-
-fn check_stop() -> Result<()> {
-    if STOP.load(Ordering::SeqCst) {
-        bail!("interrupted");
-    }
-    Ok(())
-}
-
 /// Sleeps in small steps so Ctrl-C is noticed.
 fn nap(d: Duration) -> Result<()> {
     let end = Instant::now() + d;
     while Instant::now() < end {
-        check_stop()?;
+        interrupt::check()?;
         std::thread::sleep(Duration::from_millis(50).min(end.saturating_duration_since(Instant::now())));
     }
-    check_stop()
+    interrupt::check()
 }
 
 /// VIP of service `i`: 198.19.(1 + i/250).(1 + i%250).
@@ -181,7 +168,7 @@ fn manifests(n: usize) -> String {
 /// Polls `lb list` until exactly the first `n` VIPs are programmed with 3 backends each.
 fn wait_programmed(agent: &Agent, n: usize, t0: Instant, timeout: Duration) -> Result<Duration> {
     loop {
-        check_stop()?;
+        interrupt::check()?;
         let v = agent.lb_list()?;
         let fes = v.as_array().map(|a| a.as_slice()).unwrap_or_default();
         let ours = fes
@@ -213,7 +200,7 @@ fn wait_quiet(agent: &Agent, what: &str, res: &mut Results) -> Result<()> {
     let t0 = Instant::now();
     let (mut agent0, mut sys0) = (agent.cpu_time()?, system_busy()?);
     loop {
-        check_stop()?;
+        interrupt::check()?;
         std::thread::sleep(WINDOW);
         let (agent1, sys1) = (agent.cpu_time()?, system_busy()?);
         let a = agent1.saturating_sub(agent0).as_secs_f64() / WINDOW.as_secs_f64();
@@ -410,7 +397,7 @@ impl Client {
             if let Some(st) = self.child.try_wait()? {
                 break st;
             }
-            check_stop()?;
+            interrupt::check()?;
             std::thread::sleep(Duration::from_millis(20));
         };
         let out = self.out.take().and_then(|h| h.join().ok()).unwrap_or_default();
@@ -451,7 +438,7 @@ fn tcp_result(m: &Mode, count: u32, v: serde_json::Value) -> Result<(f64, u64, s
 
 /// One netkit `tcp` run of `m` on its own.
 fn tcp_run(lab: &Lab, m: &Mode, count: u32) -> Result<(f64, u64, serde_json::Value)> {
-    check_stop()?;
+    interrupt::check()?;
     let a = tcp_args(m, count);
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
     tcp_result(m, count, mode_json(lab, m, &a)?)
@@ -479,7 +466,7 @@ impl Drop for TurnDir {
 /// are made in blocks of `block`, one mode at a time, so the modes' rates are measured in the
 /// same milliseconds of the host's life. Results in the order of `ms`.
 fn tcp_ring(lab: &Lab, ms: &[&Mode], count: u32, block: u32, dir: &std::path::Path) -> Result<Vec<(f64, u64, serde_json::Value)>> {
-    check_stop()?;
+    interrupt::check()?;
     let fifos: Vec<std::path::PathBuf> = (0..ms.len()).map(|k| dir.join(format!("turn-{k}"))).collect();
     for f in &fifos {
         let _ = std::fs::remove_file(f);
@@ -620,7 +607,7 @@ fn streams(lab: &Lab, modes: &[&Mode], n: usize, args: &Args, res: &mut Results)
         return Ok(());
     }
     for m in modes {
-        check_stop()?;
+        interrupt::check()?;
         let secs = format!("{}", args.stream_seconds);
         let v = mode_json(lab, m, &["stream", "--to", &m.to(0), "--seconds", &secs])?;
         let bps = v["bits_per_second"].as_f64().with_context(|| format!("stream {}: {v}", m.row))?;
@@ -873,10 +860,10 @@ fn node_run(node: &Netns, prog: &str, args: &[&str], stdin: Option<&str>, timeou
         if let Some(st) = child.try_wait()? {
             break st;
         }
-        if STOP.load(Ordering::SeqCst) || t0.elapsed() > timeout {
+        if interrupt::requested() || t0.elapsed() > timeout {
             let _ = child.kill();
             let _ = child.wait();
-            check_stop()?;
+            interrupt::check()?;
             bail!("{prog} {args:?} did not finish within {timeout:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -982,7 +969,7 @@ fn phase_tc_lb(lab: &Lab, args: &Args, pair: Option<&IptBackend>, res: &mut Resu
             a
         }
         Err(e) => {
-            check_stop()?;
+            interrupt::check()?;
             eprintln!("bench: WARNING: fresh start with {} services failed ({e:#}); starting empty instead", ns[0]);
             res.timings.push((format!("phase B: fresh agent start with {} services", ns[0]), format!("FAILED: {e:#}").replace('\n', " ")));
             written = None;
@@ -1032,7 +1019,7 @@ fn phase_tc_lb(lab: &Lab, args: &Args, pair: Option<&IptBackend>, res: &mut Resu
 fn tc_beside_iptables(lab: &Lab, args: &Args, b: &IptBackend, n: usize, res: &mut Results) -> Result<()> {
     let v = vip(measured(n));
     for (rows, untracked) in [(PAIR_TRACKED, false), (PAIR_UNTRACKED, true)] {
-        check_stop()?;
+        interrupt::check()?;
         let rules = ring_rules(n, untracked);
         let t0 = Instant::now();
         let mut g = IptRules::load(&lab.node, b, &rules)?;
@@ -1096,7 +1083,7 @@ fn phase_iptables(lab: &Lab, args: &Args, backends: &[IptBackend], res: &mut Res
     for &n in &args.services {
         let rules = kube_ruleset(n, None);
         for b in backends {
-            check_stop()?;
+            interrupt::check()?;
             let t0 = Instant::now();
             let mut g = IptRules::load(&lab.node, b, &rules)?;
             res.timing(format!("iptables-{}: {} restore of {n} services ({} lines)", b.label, b.restore, rules.lines().count()), t0.elapsed());
@@ -1123,7 +1110,7 @@ fn phase_nftables(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     // (services, load time) of the last load, to predict the next one.
     let mut last: Option<(usize, Duration)> = None;
     for &n in &args.services {
-        check_stop()?;
+        interrupt::check()?;
         if let Some(p) = last.and_then(|(m, d)| predicted_load(m, d, n)).filter(|p| *p > limit) {
             let why = format!(
                 "nftables, {n} services: not measured: loading kube-proxy's ruleset in one transaction would take ~{:.0} s here \
@@ -1140,7 +1127,7 @@ fn phase_nftables(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         let mut g = match NftRules::load(&lab.node, &rules, limit) {
             Ok(g) => g,
             Err(e) if t0.elapsed() >= limit => {
-                check_stop()?;
+                interrupt::check()?;
                 let why = format!("nftables, {n} services: not measured: {e:#}");
                 eprintln!("bench: {why}");
                 res.skipped.push(why);
@@ -1218,7 +1205,7 @@ fn phase_ablation(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
     measure(lab, std::slice::from_ref(&base), n, args, res, true)?;
     res.ablation.push((ABL_NONE.into(), vec![base.row.clone()]));
     for a in ABLATIONS {
-        check_stop()?;
+        interrupt::check()?;
         let mut extra = vec![format!("--xdp-mode={}", a.xdp)];
         extra.extend(a.extra.iter().map(|x| x.to_string()));
         let opts = AgentOpts { tc: true, extra, ..Default::default() };
@@ -1400,7 +1387,7 @@ fn phase_packets(lab: &Lab, args: &Args, res: &mut Results) -> Result<()> {
         }
         // Rounds of every case in turn, so a disturbance hits all of them alike.
         for _ in 0..args.runs {
-            check_stop()?;
+            interrupt::check()?;
             for (c, t) in cases.iter().zip(&mut times) {
                 for _ in 0..args.count {
                     t.push(run(&mut out, c)?.duration_ns);
@@ -1830,11 +1817,7 @@ fn main() -> Result<()> {
     if args.services.is_empty() || args.services.iter().any(|&n| n == 0 || n > MAX_SERVICES) {
         bail!("--services: counts must be 1..={MAX_SERVICES}");
     }
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
-    }
+    gardenet_tests::interrupt::install();
     if args.nice != 0 {
         // Inherited by the lab's servers, the agent and the clients: other work on a small
         // machine then disturbs the measurement less.

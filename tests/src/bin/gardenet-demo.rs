@@ -4,37 +4,20 @@
 //! `gardenet-agent run --source dir:...` on the node with one ClusterIP Service, sends a few
 //! hundred TCP and UDP requests to the VIP through socket LB and through TC LB, prints who
 //! answered, and tears everything down (also on Ctrl-C or failure).
-use std::{
-    process::ExitCode,
-    sync::atomic::{AtomicBool, Ordering},
-};
+use std::process::ExitCode;
 
 use anyhow::{bail, Result};
-use gardenet_tests::lab::{backend_ip, backend_name, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, CLIENT_IP, SERVER_PORT};
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
-
-fn check_stop() -> Result<()> {
-    if STOP.load(Ordering::SeqCst) {
-        bail!("interrupted");
-    }
-    Ok(())
-}
+use gardenet_tests::{
+    interrupt,
+    lab::{backend_ip, backend_name, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, CLIENT_IP, SERVER_PORT},
+};
 
 const VIP: &str = "198.19.0.10";
 const PORT: u16 = 80;
 const N: u32 = 300;
 
 fn main() -> ExitCode {
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
+    gardenet_tests::interrupt::install();
     match demo() {
         Ok(()) => {
             println!("\nEverything torn down (namespaces, programs, pins, cgroup).");
@@ -68,7 +51,7 @@ fn demo() -> Result<()> {
     for i in 0..3 {
         println!("  {}      {}:{SERVER_PORT}   (namespace {}, TCP+UDP server)", backend_name(i), backend_ip(i), lab.backends[i].name);
     }
-    check_stop()?;
+    interrupt::check()?;
 
     let svc = service_yaml("web", VIP, PORT, &["TCP", "UDP"]);
     let eps = slice_yaml("web", &[0, 1, 2], &["TCP", "UDP"]);
@@ -84,7 +67,7 @@ fn demo() -> Result<()> {
     for l in String::from_utf8_lossy(&out.stdout).lines() {
         println!("    {l}");
     }
-    check_stop()?;
+    interrupt::check()?;
 
     let to = format!("{VIP}:{PORT}");
     let n = N.to_string();
@@ -92,13 +75,13 @@ fn demo() -> Result<()> {
     println!("  {:<40} {:>14}  {:>14}  {:>14}", "path", "be1", "be2", "be3");
     let tcp_sock = lab.client_json(true, &["tcp", "--to", &to, "--count", &n])?;
     row("TCP via socket LB (connect4)", &tcp_sock);
-    check_stop()?;
+    interrupt::check()?;
     let udp_sock = lab.client_json(true, &["udp", "--to", &to, "--count", &n])?;
     row("UDP via socket LB (sendmsg4)", &udp_sock);
-    check_stop()?;
+    interrupt::check()?;
     let tcp_tc = lab.client_json(false, &["tcp", "--to", &to, "--count", &n])?;
     row("TCP via TC LB (client outside cgroup)", &tcp_tc);
-    check_stop()?;
+    interrupt::check()?;
     // A fresh socket per datagram: one socket is one conntrack flow, pinned to one backend.
     let udp_tc = lab.client_json(false, &["udp", "--to", &to, "--count", &n, "--fresh-socket"])?;
     row("UDP via TC LB (new flow each)", &udp_tc);
@@ -108,14 +91,14 @@ fn demo() -> Result<()> {
     }
     let peer = lab.client_json(true, &["peername", "--to", &to])?;
     println!("  getpeername() on a socket-LB connection: {} (served by {})", peer["peer"].as_str().unwrap_or("?"), peer["name"].as_str().unwrap_or("?"));
-    check_stop()?;
+    interrupt::check()?;
 
     println!("\nScaling down: be2 leaves the EndpointSlice (make-before-break update)...");
     agent.write("eps.yaml", &slice_yaml("web", &[0, 2], &["TCP", "UDP"]))?;
     agent.wait_backends(&format!("{VIP}:{PORT}/tcp"), 2)?;
     let after = lab.client_json(true, &["tcp", "--to", &to, "--count", "100"])?;
     row("TCP via socket LB, after scale-down", &after);
-    check_stop()?;
+    interrupt::check()?;
 
     println!("\nNo backends at all: connections are refused at once instead of timing out...");
     agent.write("eps.yaml", &slice_yaml("web", &[], &["TCP", "UDP"]))?;
