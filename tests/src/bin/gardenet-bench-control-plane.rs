@@ -861,7 +861,7 @@ fn agent_kube(a: &Args, world: &World, bin: &Path, tmp: &Path, pin: &Path) -> Re
 fn main() -> Result<()> {
     let a = Args::parse();
     LEAN.store(a.lean, Ordering::Relaxed);
-    gardenet_tests::interrupt::install();
+    interrupt::install();
     anyhow::ensure!(a.services > 0 && a.services <= 60_000, "--services must be 1..=60000 (VIP range)");
     let load_before = gardenet_tests::machine::loadavg();
     let mut rep = Report { rss_start_kib: status_kib("self", "VmRSS:").unwrap_or(0), ..Default::default() };

@@ -1817,7 +1817,7 @@ fn main() -> Result<()> {
     if args.services.is_empty() || args.services.iter().any(|&n| n == 0 || n > MAX_SERVICES) {
         bail!("--services: counts must be 1..={MAX_SERVICES}");
     }
-    gardenet_tests::interrupt::install();
+    interrupt::install();
     if args.nice != 0 {
         // Inherited by the lab's servers, the agent and the clients: other work on a small
         // machine then disturbs the measurement less.

@@ -17,7 +17,7 @@ const PORT: u16 = 80;
 const N: u32 = 300;
 
 fn main() -> ExitCode {
-    gardenet_tests::interrupt::install();
+    interrupt::install();
     match demo() {
         Ok(()) => {
             println!("\nEverything torn down (namespaces, programs, pins, cgroup).");
