@@ -10,6 +10,9 @@
 //!  side client ns (only with `add_side_client`)
 //!  c1 198.18.3.2/24 ── veth ── nc1 198.18.3.1/24
 //!  198.18.4.1/32 on every backend's lo (only with `add_shared_address`), ECMP on the node
+//!  peer client ns            peer node ns (only with `add_peer_node`)
+//!  c2 198.18.5.2/24 ── veth ── pc0 198.18.5.1/24
+//!                             br1 198.18.1.1/24 ── veth ── e1 198.18.1.(10+i)/32 (the same address)
 //! ```
 //! The client routes 198.18.1.0/24 (pods) and 198.19.0.0/16 (service VIPs) via the node;
 //! backends route the client subnet via the node. No namespace has a default route.
@@ -63,6 +66,17 @@ pub fn backend_name(i: usize) -> String {
     format!("be{}", i + 1)
 }
 
+/// The peer client's address and the peer node's on its link ([`Lab::add_peer_node`]).
+pub const PEER_CLIENT_IP: &str = "198.18.5.2";
+pub const PEER_NODE_IP: &str = "198.18.5.1";
+const PEER_NET: &str = "198.18.5.0/24";
+
+/// A node of its own for another dataplane, with its own client: see [`Lab::add_peer_node`].
+pub struct PeerNode {
+    pub client: Netns,
+    pub node: Netns,
+}
+
 pub struct Lab {
     pub tag: String,
     // Field order is drop order: processes first, then cgroup, then namespaces.
@@ -76,6 +90,8 @@ pub struct Lab {
     pub backends: Vec<Netns>,
     /// A second client host, made by [`Lab::add_side_client`].
     pub side_client: Option<Netns>,
+    /// A second node in front of the same backends, made by [`Lab::add_peer_node`].
+    pub peer: Option<PeerNode>,
     pub netkit: PathBuf,
 }
 
@@ -93,7 +109,7 @@ impl Lab {
         }
         let cgroup = TestCgroup::new(&tag)?;
         let netkit = sibling_binary("gardenet-netkit")?;
-        let lab = Lab { tag, servers: Vec::new(), cgroup, client, node, node2, backends, side_client: None, netkit };
+        let lab = Lab { tag, servers: Vec::new(), cgroup, client, node, node2, backends, side_client: None, peer: None, netkit };
         lab.wire()?;
         let mut lab = lab;
         for i in 0..n_backends {
@@ -172,6 +188,46 @@ impl Lab {
         Ok(())
     }
 
+    /// A second node with its own client and its own bridge to every backend, which answers
+    /// there from the same address as on the first node's bridge: rules written for the lab's
+    /// node (kube-proxy's DNAT to the backends) work unchanged on the peer node, so another
+    /// dataplane can run on a node without the agent, as it would in a cluster, while the agent
+    /// keeps the first. Its path (client, node, bridge, backend) has as many hops as the main
+    /// client's. IPv4 only; the client routes the pods and the service VIPs via the peer node.
+    pub fn add_peer_node(&mut self) -> Result<()> {
+        let client = Netns::new(&format!("{}-pcli", self.tag))?;
+        let node = Netns::new(&format!("{}-peer", self.tag))?;
+        veth_pair(&node, ("pc0", PEER_NODE_IP), &client, ("c2", PEER_CLIENT_IP))?;
+        client.ip(&["route", "add", "198.18.1.0/24", "via", PEER_NODE_IP])?;
+        client.ip(&["route", "add", "198.19.0.0/16", "via", PEER_NODE_IP])?;
+        node.ip(&["link", "add", "br1", "type", "bridge"])?;
+        node.ip(&["addr", "add", &format!("{NODE_POD_GW}/24"), "dev", "br1"])?;
+        node.ip(&["link", "set", "br1", "up"])?;
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+        for (i, b) in self.backends.iter().enumerate() {
+            let pb = format!("pb{}", i + 1);
+            node.ip(&["link", "add", &pb, "type", "veth", "peer", "name", "e1", "netns", &b.name])?;
+            node.ip(&["link", "set", &pb, "master", "br1"])?;
+            node.ip(&["link", "set", &pb, "up"])?;
+            // A /32: the pod subnet's connected route stays on e0, toward the lab's node.
+            b.ip(&["addr", "add", &format!("{}/32", backend_ip(i)), "dev", "e1"])?;
+            b.ip(&["link", "set", "e1", "up"])?;
+            b.ip(&["route", "add", PEER_NET, "via", NODE_POD_GW, "dev", "e1", "onlink"])?;
+        }
+        let peer = PeerNode { client, node };
+        for i in 0..self.backends.len() {
+            wait_answer(|args| Self::json_of(peer.client_cmd(&self.netkit, args)?, args), &format!("{}:{SERVER_PORT}", backend_ip(i)), &backend_name(i))?;
+        }
+        self.peer = Some(peer);
+        Ok(())
+    }
+
+    /// Every client namespace the lab has: the main one, the side client's, the peer node's.
+    pub fn clients(&self) -> impl Iterator<Item = &Netns> {
+        std::iter::once(&self.client).chain(&self.side_client).chain(self.peer.as_ref().map(|p| &p.client))
+    }
+
     /// A netkit client command on the side client (see [`Lab::add_side_client`]).
     pub fn side_client_cmd(&self, args: &[&str]) -> Result<Command> {
         let c = self.side_client.as_ref().context("the lab has no side client")?;
@@ -226,6 +282,15 @@ impl Lab {
 
     fn json_of(cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
         netkit_json(cmd, args)
+    }
+}
+
+impl PeerNode {
+    /// A netkit command in the peer client's namespace.
+    pub fn client_cmd(&self, netkit: &Path, args: &[&str]) -> Result<Command> {
+        let mut cmd = self.client.command(netkit, None)?;
+        cmd.args(args);
+        Ok(cmd)
     }
 }
 

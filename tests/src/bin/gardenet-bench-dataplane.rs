@@ -17,7 +17,7 @@
 //!      only, one destination as the VIP is), then a short probe of direct
 //!      connections from the main client (which stale TC conntrack entries can break, see
 //!      `stale_ct_probe`), and (`tc-iptables`) TC LB in one ring with kube-proxy's iptables-nft
-//!      rules loaded beside the agent for the side client (`tc_beside_iptables`);
+//!      rules on a peer node in front of the same backends (`tc_beside_iptables`);
 //!   C. no agent: kube-proxy-style nat ruleset loaded with iptables-restore in the node
 //!      namespace (nft backend, then legacy if installed): iptables (client -> VIP);
 //!   D. kube-proxy's nftables-mode ruleset, loaded in one transaction: nftables (client -> VIP);
@@ -259,9 +259,12 @@ enum Target {
     /// The same from the lab's side client, whose link has no datapath attached (phase B).
     DirectSide(Pick),
     Vip(String),
-    /// A VIP from the side client: past no gardenet program, so kube-proxy's rules on the
-    /// node translate it while TC LB translates the main client's (`tc_beside_iptables`).
-    VipSide(String),
+    /// A VIP from the peer node's client (`Lab::add_peer_node`): kube-proxy's rules on that
+    /// node translate it while TC LB on the lab's node translates the main client's
+    /// (`tc_beside_iptables`).
+    VipPeer(String),
+    /// The backends in turn from the peer node's client, through that node.
+    DirectPeer,
 }
 
 struct Mode {
@@ -274,8 +277,8 @@ impl Mode {
     /// One address: a backend (rotating run by run) or the VIP.
     fn to(&self, run: usize) -> String {
         match &self.target {
-            Target::Direct(_) | Target::DirectSide(_) => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
-            Target::Vip(v) | Target::VipSide(v) => format!("{v}:{PORT}"),
+            Target::Direct(_) | Target::DirectSide(_) | Target::DirectPeer => format!("{}:{SERVER_PORT}", backend_ip(run % nbe())),
+            Target::Vip(v) | Target::VipPeer(v) => format!("{v}:{PORT}"),
         }
     }
 
@@ -286,8 +289,10 @@ impl Mode {
         match &self.target {
             Target::Direct(Pick::One) | Target::DirectSide(Pick::One) => self.to(0),
             Target::Direct(Pick::Shared) | Target::DirectSide(Pick::Shared) => format!("{SHARED_IP}:{SERVER_PORT}"),
-            Target::Direct(_) | Target::DirectSide(_) => (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(","),
-            Target::Vip(_) | Target::VipSide(_) => self.to(0),
+            Target::Direct(_) | Target::DirectSide(_) | Target::DirectPeer => {
+                (0..nbe()).map(|b| format!("{}:{SERVER_PORT}", backend_ip(b))).collect::<Vec<_>>().join(",")
+            }
+            Target::Vip(_) | Target::VipPeer(_) => self.to(0),
         }
     }
 
@@ -358,7 +363,8 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
 /// A mode's client command: the main client (in the cgroup or not), or the side client.
 fn mode_cmd(lab: &Lab, m: &Mode, args: &[&str]) -> Result<Command> {
     match m.target {
-        Target::DirectSide(_) | Target::VipSide(_) => lab.side_client_cmd(args),
+        Target::DirectSide(_) => lab.side_client_cmd(args),
+        Target::DirectPeer | Target::VipPeer(_) => lab.peer.as_ref().context("the lab has no peer node")?.client_cmd(&lab.netkit, args),
         _ => lab.client_cmd(m.in_cgroup, args),
     }
 }
@@ -495,11 +501,11 @@ fn tcp_ring(lab: &Lab, ms: &[&Mode], count: u32, block: u32, dir: &std::path::Pa
     Ok(out)
 }
 
-/// TIME_WAIT sockets in the client namespace, or in the side client's if it has more
+/// TIME_WAIT sockets in the client namespace, or in another client's if it has more
 /// (/proc/net/sockstat is per network namespace).
 fn client_timewait(lab: &Lab) -> Result<u64> {
     let mut most = 0;
-    for ns in std::iter::once(&lab.client).chain(&lab.side_client) {
+    for ns in lab.clients() {
         let out = ns.command("cat", None)?.arg("/proc/net/sockstat").output()?;
         let s = String::from_utf8_lossy(&out.stdout);
         let tw: u64 = s
@@ -629,17 +635,17 @@ const CTL_DIRECT_B: &str = "direct, no datapath, side client (phase B)";
 const CTL_DIRECT_B_RANDOM: &str = "direct to a random backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_ONE: &str = "direct to one backend, no datapath, side client (phase B)";
 const CTL_DIRECT_B_SHARED: &str = "direct to one address on every backend (ECMP), no datapath, side client (phase B)";
-/// The rows of `tc_beside_iptables`: TC LB, iptables-nft, direct under the rules; TC LB's
-/// connections tracked by the node's conntrack, then untracked.
+/// The rows of `tc_beside_iptables`: TC LB, iptables-nft on the peer node, direct through the
+/// peer node under its rules; TC LB's connections tracked by its node's conntrack, then not.
 const PAIR_TRACKED: [&str; 3] = [
-    "TC LB, tracked by the node's conntrack, beside iptables-nft (phase B)",
-    "iptables (nft), side client, beside TC LB tracked (phase B)",
-    "direct, side client, iptables-nft rules loaded, beside TC LB tracked (phase B)",
+    "TC LB, tracked by the node's conntrack (a nat table loaded), beside iptables-nft on a peer node (phase B)",
+    "iptables (nft) on a peer node, beside TC LB tracked (phase B)",
+    "direct through the iptables-nft peer node, beside TC LB tracked (phase B)",
 ];
 const PAIR_UNTRACKED: [&str; 3] = [
-    "TC LB, untracked (raw notrack), beside iptables-nft (phase B)",
-    "iptables (nft), side client, beside TC LB untracked (phase B)",
-    "direct, side client, iptables-nft rules loaded, beside TC LB untracked (phase B)",
+    "TC LB, untracked (no netfilter nat on its node), beside iptables-nft on a peer node (phase B)",
+    "iptables (nft) on a peer node, beside TC LB untracked (phase B)",
+    "direct through the iptables-nft peer node, beside TC LB untracked (phase B)",
 ];
 
 fn ipt_row(b: &IptBackend) -> String {
@@ -702,17 +708,14 @@ fn chain_hash(s: &str) -> String {
 
 /// A nat table built the way kube-proxy's iptables mode builds it for `n` ClusterIP Services
 /// with 3 endpoints each (no cluster CIDR configured, so client traffic is not masqueraded;
-/// the KUBE-MARK-MASQ hairpin rules are there as kube-proxy writes them). With `portals_from`,
-/// PREROUTING jumps to KUBE-SERVICES only for packets arriving on that interface, so traffic
-/// from other links (TC LB's, already translated) is not walked through the chain.
-fn kube_ruleset(n: usize, portals_from: Option<&str>) -> String {
+/// the KUBE-MARK-MASQ hairpin rules are there as kube-proxy writes them).
+fn kube_ruleset(n: usize) -> String {
     let mut chains = String::from(
         "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n\
          :KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n",
     );
-    let iif = portals_from.map(|i| format!("-i {i} ")).unwrap_or_default();
-    let mut rules = format!(
-        "-A PREROUTING {iif}-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+    let mut rules = String::from(
+        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
          -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
          -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
          -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n\
@@ -1007,51 +1010,37 @@ fn phase_tc_lb(lab: &Lab, args: &Args, pair: Option<&IptBackend>, res: &mut Resu
 
 /// TC LB and kube-proxy's iptables rules in one ring of turns, so their ratio is measured in
 /// the same milliseconds of the host's life (phases B and C run minutes apart, and the ratio
-/// of their medians moved 1.66-1.81x between two runs of 2026-12-04 on one host). The rules
-/// are loaded beside the running agent with the portal jump limited to the side client's link
-/// (`nc1`, no gardenet program on it): the side client's VIP connections are iptables', the
-/// main client's are TC LB's (translated on `nc0` before netfilter sees them, so they never
-/// walk KUBE-SERVICES). With a nat table loaded the node's netfilter conntrack tracks every
-/// connection, which it does not in the rest of phase B; so the ring runs twice: with TC LB's
-/// connections tracked too (a node where something else needs conntrack), and with them
-/// exempt (`CT --notrack` in the raw table for the main client's link and the replies to it;
-/// both clients' packets then pass the raw hook's two rules), as on a node without kube-proxy.
+/// of their medians moved 1.66-1.81x between two runs of 2026-12-04 on one host). Each runs on
+/// a node of its own, as in a cluster that has one or the other: kube-proxy's rules (phase C's)
+/// on the lab's peer node, in front of the same backends, for the peer client; TC LB on the
+/// lab's node for the main client. (Until 2026-12-07 the rules were loaded beside the agent,
+/// and TC LB paid for the netfilter hooks of a table gardenet's nodes never have.) The ring
+/// runs twice: TC LB's connections untracked, as on a node without kube-proxy, and tracked by
+/// its node's conntrack, which an empty nat table turns on (a node where something else
+/// needs conntrack).
 fn tc_beside_iptables(lab: &Lab, args: &Args, b: &IptBackend, n: usize, res: &mut Results) -> Result<()> {
     let v = vip(measured(n));
+    let peer = lab.peer.as_ref().context("the lab has no peer node")?;
+    let t0 = Instant::now();
+    // Removed when this returns (the guards flush on drop), as is the pass's nat table.
+    let _rules = IptRules::load(&peer.node, b, &kube_ruleset(n))?;
+    res.timing(format!("phase B: iptables-{} rules of {n} services on the peer node", b.label), t0.elapsed());
     for (rows, untracked) in [(PAIR_TRACKED, false), (PAIR_UNTRACKED, true)] {
         interrupt::check()?;
-        let rules = ring_rules(n, untracked);
-        let t0 = Instant::now();
-        let mut g = IptRules::load(&lab.node, b, &rules)?;
-        res.timing(format!("phase B: iptables-{} rules of {n} services for the side client, beside TC LB", b.label), t0.elapsed());
+        let _conntrack_on = if untracked { None } else { Some(IptRules::load(&lab.node, b, NAT_TABLE_ONLY)?) };
         let modes = [
             Mode { row: rows[0].into(), in_cgroup: false, target: Target::Vip(v.clone()) },
-            Mode { row: rows[1].into(), in_cgroup: false, target: Target::VipSide(v.clone()) },
-            Mode { row: rows[2].into(), in_cgroup: false, target: Target::DirectSide(Pick::Turn) },
+            Mode { row: rows[1].into(), in_cgroup: false, target: Target::VipPeer(v.clone()) },
+            Mode { row: rows[2].into(), in_cgroup: false, target: Target::DirectPeer },
         ];
         measure(lab, &modes, n, args, res, false)?;
-        g.flush();
     }
     Ok(())
 }
 
-/// The rules one pass of the ring loads: kube-proxy's for the side client's link, after the
-/// raw table that exempts TC LB's connections when `untracked`.
-fn ring_rules(n: usize, untracked: bool) -> String {
-    let raw = if untracked { untracked_main_client() } else { String::new() };
-    format!("{raw}{}", kube_ruleset(n, Some("nc1")))
-}
-
-/// A raw table that keeps the main client's connections (TC LB's) out of netfilter conntrack.
-fn untracked_main_client() -> String {
-    format!(
-        "*raw\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n\
-         -A PREROUTING -i nc0 -j CT --notrack\n\
-         -A PREROUTING -i br0 -d {}/32 -j CT --notrack\n\
-         COMMIT\n",
-        gardenet_tests::lab::CLIENT_IP
-    )
-}
+/// A nat table with its built-in chains and no rules: its hooks make the node's netfilter
+/// conntrack track every connection, as any nat rule would, and nothing else.
+const NAT_TABLE_ONLY: &str = "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n";
 
 /// After TC LB traffic, direct connections from the same client to the backends: with TC LB
 /// on nc0, a new direct connection from a source port that an earlier (closed) VIP connection
@@ -1081,7 +1070,7 @@ fn phase_iptables(lab: &Lab, args: &Args, backends: &[IptBackend], res: &mut Res
         bail!("the VIP still answers with the agent stopped (TC programs left on nc0?): {v}");
     }
     for &n in &args.services {
-        let rules = kube_ruleset(n, None);
+        let rules = kube_ruleset(n);
         for b in backends {
             interrupt::check()?;
             let t0 = Instant::now();
@@ -1598,7 +1587,7 @@ fn report(res: &Results, args: &Args, backends: &[IptBackend], env: &[(String, S
     }
     let pair_rows: Vec<String> = PAIR_UNTRACKED.iter().chain(&PAIR_TRACKED).map(|r| r.to_string()).collect();
     if res.cells.keys().any(|(r, _)| pair_rows.contains(r)) {
-        o.push_str("\n### TC LB and iptables-nft in one ring (phase B: rules for the side client beside the agent)\n\n");
+        o.push_str("\n### TC LB and iptables-nft in one ring (phase B: TC LB on the lab's node, kube-proxy's rules on a peer node)\n\n");
         table(&mut o, res, &pair_rows, &args.services);
         o.push('\n');
         for &n in &args.services {
@@ -1851,10 +1840,11 @@ fn main() -> Result<()> {
     let mut lab = Lab::new(nbe())?;
     lab.add_side_client()?;
     lab.add_shared_address()?;
-    // The side client's VIP connections cross no gardenet program (`nc1` has none): only the
-    // iptables rules of `tc_beside_iptables` answer them.
-    lab.side_client.as_ref().context("no side client")?.ip(&["route", "add", "198.19.0.0/16", "via", gardenet_tests::lab::SIDE_NODE_IP])?;
-    for client in std::iter::once(&lab.client).chain(&lab.side_client) {
+    if args.phases.iter().any(|p| p == "tc-iptables") {
+        // kube-proxy's rules of `tc_beside_iptables` run there, not beside the agent.
+        lab.add_peer_node()?;
+    }
+    for client in lab.clients() {
         // A wide ephemeral port range in the client namespaces: tens of thousands of
         // connections per minute to one destination must not run out of ports in TIME_WAIT.
         client.sysctl("net.ipv4.ip_local_port_range", "1024 65535")?;
@@ -1927,32 +1917,17 @@ mod tests {
     }
 
     #[test]
-    fn portal_jump_is_limited_to_one_link_only_when_asked() {
+    fn the_tracked_pass_loads_a_nat_table_without_rules_and_its_removal_names_it() {
+        // Built-in chains only: conntrack comes on, no packet of TC LB's walks a rule.
+        assert_eq!(tables_of(NAT_TABLE_ONLY), ["nat"]);
+        assert!(NAT_TABLE_ONLY.lines().all(|l| !l.starts_with("-A")), "{NAT_TABLE_ONLY}");
+        let chains: Vec<&str> = NAT_TABLE_ONLY.lines().filter_map(|l| l.strip_prefix(':')?.split_whitespace().next()).collect();
+        assert_eq!(chains, ["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"]);
+        // The peer node's rules are phase C's: one portal jump for every link.
         let _ = NBE_CELL.set(3);
-        let jumps = |r: &str| r.lines().filter(|l| l.starts_with("-A PREROUTING")).map(String::from).collect::<Vec<_>>();
-        let (all, side) = (kube_ruleset(2, None), kube_ruleset(2, Some("nc1")));
-        assert_eq!(jumps(&all), ["-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"]);
-        assert_eq!(jumps(&side), ["-A PREROUTING -i nc1 -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"]);
-        // Everything else is kube-proxy's ruleset as before.
-        assert_eq!(
-            all.lines().filter(|l| !l.starts_with("-A PREROUTING")).collect::<Vec<_>>(),
-            side.lines().filter(|l| !l.starts_with("-A PREROUTING")).collect::<Vec<_>>()
-        );
-    }
-
-    #[test]
-    fn the_untracked_ring_exempts_only_the_main_client_and_every_table_is_removed() {
-        let _ = NBE_CELL.set(3);
-        let rules = ring_rules(2, true);
-        // Both tables the ring fills are named, so the flush removes the raw one too.
-        assert_eq!(tables_of(&rules), ["raw", "nat"]);
-        assert_eq!(tables_of(&kube_ruleset(2, None)), ["nat"]);
-        let notrack: Vec<&str> = rules.lines().filter(|l| l.contains("--notrack")).collect();
-        let client = format!("-d {}/32", gardenet_tests::lab::CLIENT_IP);
-        assert_eq!(notrack.len(), 2);
-        // The main client's link and the replies to it: never the side client (nc1).
-        assert!(notrack[0].contains("-i nc0 ") && notrack[1].contains(&client), "{notrack:?}");
-        assert!(notrack.iter().all(|l| !l.contains("nc1")));
+        let jumps: Vec<String> = kube_ruleset(2).lines().filter(|l| l.starts_with("-A PREROUTING")).map(String::from).collect();
+        assert_eq!(jumps, ["-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"]);
+        assert_eq!(tables_of(&kube_ruleset(2)), ["nat"]);
     }
 
     #[test]
@@ -1966,7 +1941,8 @@ mod tests {
             (Target::DirectSide(Pick::One), format!("{}:{SERVER_PORT}", backend_ip(0)), 1, &[][..]),
             (Target::DirectSide(Pick::Shared), format!("{SHARED_IP}:{SERVER_PORT}"), 3, &[][..]),
             (Target::Vip("198.19.0.1".into()), format!("198.19.0.1:{PORT}"), 3, &[][..]),
-            (Target::VipSide("198.19.0.1".into()), format!("198.19.0.1:{PORT}"), 3, &[][..]),
+            (Target::VipPeer("198.19.0.1".into()), format!("198.19.0.1:{PORT}"), 3, &[][..]),
+            (Target::DirectPeer, all.clone(), 3, &[][..]),
         ] {
             let m = m(t);
             assert_eq!((m.to_all(), m.answering(), m.pick_args()), (to, answering, flags));
