@@ -11,7 +11,7 @@ use gardenet_tests::{
     cases::{self, assert_spread},
     lab::{
         assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts,
-        service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
+        backend_name, netkit_json, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
     },
 };
 
@@ -75,6 +75,29 @@ fn tc_lb_translates_traffic_that_socket_lb_does_not_see() {
     agent.stop();
     let log = agent.log.lock().unwrap().join("\n");
     assert!(log.contains("tc_ct_created=") && log.contains("tc_ct_insert_failed=0"), "{log}");
+}
+
+/// The bench's peer node (kube-proxy's rules in one ring with TC LB) is a path of its own to
+/// the same backends: a VIP that TC LB on the lab's node serves does not answer through it, and
+/// its client reaches every backend with the lab node's bridge down.
+#[test]
+fn the_peer_node_is_a_path_of_its_own_to_the_same_backends() {
+    let _g = serial();
+    let (mut lab, _agent) = setup(AgentOpts { tc: true, ..Default::default() }, &[0, 1, 2]);
+    lab.add_peer_node().expect("peer node");
+    let peer = lab.peer.as_ref().expect("peer");
+    let peer_json = |args: &[&str]| netkit_json(peer.client_cmd(&lab.netkit, args).unwrap(), args).unwrap();
+    let v = peer_json(&["connect", "--to", &vip(), "--timeout-ms", "300"]);
+    assert_ne!(v["outcome"], "Connected", "no LB on the peer node: {v}");
+    cases::tcp_spreads(&lab, false, &vip(), 30);
+    lab.node.ip(&["link", "set", "br0", "down"]).unwrap();
+    let all = (0..3).map(|i| format!("{}:{SERVER_PORT}", backend_ip(i))).collect::<Vec<_>>().join(",");
+    let v = peer_json(&["tcp", "--to", &all, "--count", "30", "--timeout-ms", "1000"]);
+    for i in 0..3 {
+        assert_eq!(v["counts"][backend_name(i)], 10, "{v}");
+    }
+    let v = lab.client_json(false, &["connect", "--to", &format!("{}:{SERVER_PORT}", backend_ip(0)), "--timeout-ms", "300"]).unwrap();
+    assert_ne!(v["outcome"], "Connected", "the lab's bridge is down: {v}");
 }
 
 fn backend_removal(socket_lb: bool) {
