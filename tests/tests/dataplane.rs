@@ -10,8 +10,8 @@ use std::{
 use gardenet_tests::{
     cases::{self, assert_spread},
     lab::{
-        assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip, counts,
-        backend_name, netkit_json, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
+        assert_connected_udp_leaves_departed_backend, assert_idle_tcp_leaves_departed_backend, assert_udp_flow_leaves_departed_backend, backend_ip,
+        backend_name, counts, netkit_json, service_yaml, slice_yaml, Agent, AgentOpts, Lab, SERVER_PORT,
     },
 };
 
