@@ -124,9 +124,7 @@ impl Lab {
         veth_pair(n, ("nc0", NODE_IP), c, ("c0", CLIENT_IP))?;
         c.ip(&["route", "add", "198.18.1.0/24", "via", NODE_IP])?;
         c.ip(&["route", "add", "198.19.0.0/16", "via", NODE_IP])?;
-        n.ip(&["link", "add", "br0", "type", "bridge"])?;
-        n.ip(&["addr", "add", &format!("{NODE_POD_GW}/24"), "dev", "br0"])?;
-        n.ip(&["link", "set", "br0", "up"])?;
+        bridge_to_backends(n, "br0", "nb", &self.backends, "e0")?;
         let n2 = &self.node2;
         veth_pair(n, ("nn0", NODE_ADDR), n2, ("n0", NODE2_IP))?;
         n.sysctl("net.ipv4.ip_forward", "1")?;
@@ -141,12 +139,7 @@ impl Lab {
         n.ip(&["-6", "addr", "add", &format!("{NODE_ADDR6}/64"), "dev", "nn0", "nodad"])?;
         n2.ip(&["-6", "addr", "add", &format!("{NODE2_IP6}/64"), "dev", "n0", "nodad"])?;
         for (i, b) in self.backends.iter().enumerate() {
-            let nb = format!("nb{}", i + 1);
-            n.ip(&["link", "add", &nb, "type", "veth", "peer", "name", "e0", "netns", &b.name])?;
-            n.ip(&["link", "set", &nb, "master", "br0"])?;
-            n.ip(&["link", "set", &nb, "up"])?;
             b.ip(&["addr", "add", &format!("{}/24", backend_ip(i)), "dev", "e0"])?;
-            b.ip(&["link", "set", "e0", "up"])?;
             // Client and node2 subnets (the connected pod /24 stays more specific).
             b.ip(&["route", "add", "198.18.0.0/16", "via", NODE_POD_GW])?;
             b.ip(&["-6", "addr", "add", &format!("{}/64", backend_ip6(i)), "dev", "e0", "nodad"])?;
@@ -200,19 +193,12 @@ impl Lab {
         veth_pair(&node, ("pc0", PEER_NODE_IP), &client, ("c2", PEER_CLIENT_IP))?;
         client.ip(&["route", "add", "198.18.1.0/24", "via", PEER_NODE_IP])?;
         client.ip(&["route", "add", "198.19.0.0/16", "via", PEER_NODE_IP])?;
-        node.ip(&["link", "add", "br1", "type", "bridge"])?;
-        node.ip(&["addr", "add", &format!("{NODE_POD_GW}/24"), "dev", "br1"])?;
-        node.ip(&["link", "set", "br1", "up"])?;
+        bridge_to_backends(&node, "br1", "pb", &self.backends, "e1")?;
         node.sysctl("net.ipv4.ip_forward", "1")?;
         node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
         for (i, b) in self.backends.iter().enumerate() {
-            let pb = format!("pb{}", i + 1);
-            node.ip(&["link", "add", &pb, "type", "veth", "peer", "name", "e1", "netns", &b.name])?;
-            node.ip(&["link", "set", &pb, "master", "br1"])?;
-            node.ip(&["link", "set", &pb, "up"])?;
             // A /32: the pod subnet's connected route stays on e0, toward the lab's node.
             b.ip(&["addr", "add", &format!("{}/32", backend_ip(i)), "dev", "e1"])?;
-            b.ip(&["link", "set", "e1", "up"])?;
             b.ip(&["route", "add", PEER_NET, "via", NODE_POD_GW, "dev", "e1", "onlink"])?;
         }
         let peer = PeerNode { client, node };
@@ -292,6 +278,23 @@ impl PeerNode {
         cmd.args(args);
         Ok(cmd)
     }
+}
+
+/// A bridge `br` on `node` with the pods' gateway address, and a veth from a port of it
+/// (`port`1, `port`2, ...) to `dev` in each backend, both ends up; the backends' addresses and
+/// routes are the caller's.
+fn bridge_to_backends(node: &Netns, br: &str, port: &str, backends: &[Netns], dev: &str) -> Result<()> {
+    node.ip(&["link", "add", br, "type", "bridge"])?;
+    node.ip(&["addr", "add", &format!("{NODE_POD_GW}/24"), "dev", br])?;
+    node.ip(&["link", "set", br, "up"])?;
+    for (i, b) in backends.iter().enumerate() {
+        let p = format!("{port}{}", i + 1);
+        node.ip(&["link", "add", &p, "type", "veth", "peer", "name", dev, "netns", &b.name])?;
+        node.ip(&["link", "set", &p, "master", br])?;
+        node.ip(&["link", "set", &p, "up"])?;
+        b.ip(&["link", "set", dev, "up"])?;
+    }
+    Ok(())
 }
 
 /// A veth pair from `a` to `b`, each end with its IPv4 address in a /24 and up.
