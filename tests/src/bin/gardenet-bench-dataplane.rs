@@ -360,7 +360,8 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
     run_json(lab.client_cmd(in_cgroup, args)?, args)
 }
 
-/// A mode's client command: the main client (in the cgroup or not), or the side client.
+/// A mode's client command: the main client (in the cgroup or not), the side client, or the
+/// peer node's client.
 fn mode_cmd(lab: &Lab, m: &Mode, args: &[&str]) -> Result<Command> {
     match m.target {
         Target::DirectSide(_) => lab.side_client_cmd(args),
