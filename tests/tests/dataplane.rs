@@ -89,7 +89,8 @@ fn the_peer_node_is_a_path_of_its_own_to_the_same_backends() {
     let peer_json = |args: &[&str]| netkit_json(peer.client_cmd(&lab.netkit, args).unwrap(), args).unwrap();
     let v = peer_json(&["connect", "--to", &vip(), "--timeout-ms", "300"]);
     assert_ne!(v["outcome"], "Connected", "no LB on the peer node: {v}");
-    cases::tcp_spreads(&lab, false, &vip(), 30);
+    // Enough connections that a random pick gives every backend its 15% (30 did not, once).
+    cases::tcp_spreads(&lab, false, &vip(), 300);
     lab.node.ip(&["link", "set", "br0", "down"]).unwrap();
     let all = (0..3).map(|i| format!("{}:{SERVER_PORT}", backend_ip(i))).collect::<Vec<_>>().join(",");
     let v = peer_json(&["tcp", "--to", &all, "--count", "30", "--timeout-ms", "1000"]);
