@@ -201,17 +201,21 @@ impl Lab {
             b.ip(&["addr", "add", &format!("{}/32", backend_ip(i)), "dev", "e1"])?;
             b.ip(&["route", "add", PEER_NET, "via", NODE_POD_GW, "dev", "e1", "onlink"])?;
         }
-        let peer = PeerNode { client, node };
-        for i in 0..self.backends.len() {
-            wait_answer(|args| Self::json_of(peer.client_cmd(&self.netkit, args)?, args), &format!("{}:{SERVER_PORT}", backend_ip(i)), &backend_name(i))?;
-        }
-        self.peer = Some(peer);
-        Ok(())
+        self.peer = Some(PeerNode { client, node });
+        self.wait_servers_from(|args| Self::json_of(self.peer_client_cmd(args)?, args), |i| format!("{}:{SERVER_PORT}", backend_ip(i)))
     }
 
     /// Every client namespace the lab has: the main one, the side client's, the peer node's.
     pub fn clients(&self) -> impl Iterator<Item = &Netns> {
         std::iter::once(&self.client).chain(&self.side_client).chain(self.peer.as_ref().map(|p| &p.client))
+    }
+
+    /// A netkit client command on the peer node's client (see [`Lab::add_peer_node`]).
+    pub fn peer_client_cmd(&self, args: &[&str]) -> Result<Command> {
+        let p = self.peer.as_ref().context("the lab has no peer node")?;
+        let mut cmd = p.client.command(&self.netkit, None)?;
+        cmd.args(args);
+        Ok(cmd)
     }
 
     /// A netkit client command on the side client (see [`Lab::add_side_client`]).
@@ -241,8 +245,13 @@ impl Lab {
     }
 
     fn wait_servers_at(&self, to: impl Fn(usize) -> String) -> Result<()> {
+        self.wait_servers_from(|args| self.client_json(false, args), to)
+    }
+
+    /// Waits until every server answers the client that `client_json` runs, at `to(i)`.
+    fn wait_servers_from(&self, client_json: impl Fn(&[&str]) -> Result<serde_json::Value>, to: impl Fn(usize) -> String) -> Result<()> {
         for i in 0..self.backends.len() {
-            wait_answer(|args| self.client_json(false, args), &to(i), &backend_name(i))?;
+            wait_answer(&client_json, &to(i), &backend_name(i))?;
         }
         Ok(())
     }
@@ -268,15 +277,6 @@ impl Lab {
 
     fn json_of(cmd: Command, args: &[&str]) -> Result<serde_json::Value> {
         netkit_json(cmd, args)
-    }
-}
-
-impl PeerNode {
-    /// A netkit command in the peer client's namespace.
-    pub fn client_cmd(&self, netkit: &Path, args: &[&str]) -> Result<Command> {
-        let mut cmd = self.client.command(netkit, None)?;
-        cmd.args(args);
-        Ok(cmd)
     }
 }
 

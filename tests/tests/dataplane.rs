@@ -85,8 +85,7 @@ fn the_peer_node_is_a_path_of_its_own_to_the_same_backends() {
     let _g = serial();
     let (mut lab, _agent) = setup(AgentOpts { tc: true, ..Default::default() }, &[0, 1, 2]);
     lab.add_peer_node().expect("peer node");
-    let peer = lab.peer.as_ref().expect("peer");
-    let peer_json = |args: &[&str]| netkit_json(peer.client_cmd(&lab.netkit, args).unwrap(), args).unwrap();
+    let peer_json = |args: &[&str]| netkit_json(lab.peer_client_cmd(args).unwrap(), args).unwrap();
     let v = peer_json(&["connect", "--to", &vip(), "--timeout-ms", "300"]);
     assert_ne!(v["outcome"], "Connected", "no LB on the peer node: {v}");
     // Enough connections that a random pick gives every backend its 15% (30 did not, once).

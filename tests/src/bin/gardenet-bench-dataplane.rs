@@ -365,7 +365,7 @@ fn client_json(lab: &Lab, in_cgroup: bool, args: &[&str]) -> Result<serde_json::
 fn mode_cmd(lab: &Lab, m: &Mode, args: &[&str]) -> Result<Command> {
     match m.target {
         Target::DirectSide(_) => lab.side_client_cmd(args),
-        Target::DirectPeer | Target::VipPeer(_) => lab.peer.as_ref().context("the lab has no peer node")?.client_cmd(&lab.netkit, args),
+        Target::DirectPeer | Target::VipPeer(_) => lab.peer_client_cmd(args),
         _ => lab.client_cmd(m.in_cgroup, args),
     }
 }
