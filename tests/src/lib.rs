@@ -1,6 +1,7 @@
 pub mod apiserver;
 pub mod bpfstats;
 pub mod cases;
+pub mod cni;
 pub mod corpus;
 pub mod interrupt;
 pub mod lab;

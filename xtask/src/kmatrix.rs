@@ -47,6 +47,7 @@ pub const PRIVILEGED_SUITES: &[&str] = &[
     // ~7 min in the 5.10 VM (20 SIGKILLs; each start takes 10-30 s there under the load).
     "soak",
     "packet_corpus",
+    "cni_plugin",
 ];
 
 /// Per-suite limit inside a VM (a hung suite must not hold the matrix).

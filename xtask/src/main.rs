@@ -94,7 +94,7 @@ fn main() -> Result<()> {
         Cmd::Test { kernel, host_only, suites, args } => {
             setup()?;
             build_ebpf(false)?;
-            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-cni", "-p", "gardenet-tests", "--bins"])?;
             if let Some(spec) = kernel {
                 return kernel_matrix(&kmatrix::kernels(&spec)?, suites.as_deref(), &args);
             }
@@ -109,6 +109,8 @@ fn main() -> Result<()> {
                 "gardenet-common",
                 "-p",
                 "gardenet-agent",
+                "-p",
+                "gardenet-cni",
                 "-p",
                 "gardenet-tests",
                 "-p",
@@ -133,13 +135,13 @@ fn main() -> Result<()> {
         Cmd::Demo { args } => {
             setup()?;
             build_ebpf(false)?;
-            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-cni", "-p", "gardenet-tests", "--bins"])?;
             run(Command::new(root().join("target/debug/gardenet-demo")).args(args))
         }
         Cmd::Soak { restarts, seconds, streams, seed } => {
             setup()?;
             build_ebpf(false)?;
-            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            cargo(&["build", "-p", "gardenet-agent", "-p", "gardenet-cni", "-p", "gardenet-tests", "--bins"])?;
             let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
             // The suite writes its table past the test harness's capture; the agents' logs
             // are shown only when it fails.
@@ -165,7 +167,7 @@ fn main() -> Result<()> {
             };
             setup()?;
             build_ebpf(false)?;
-            cargo(&["build", "--release", "-p", "gardenet-agent", "-p", "gardenet-tests", "--bins"])?;
+            cargo(&["build", "--release", "-p", "gardenet-agent", "-p", "gardenet-cni", "-p", "gardenet-tests", "--bins"])?;
             run(Command::new(root().join("target/release").join(bin)).args(args))
         }
     }
@@ -262,6 +264,10 @@ fn setup() -> Result<()> {
     // The dataplane bench: kube-proxy's nftables-mode ruleset, and a font for its plot.
     if !have("nft") {
         pkgs.push("nftables");
+    }
+    // The CNI suites delegate addresses to the reference host-local plugin (and chain portmap).
+    if !Path::new("/usr/lib/cni/host-local").exists() {
+        pkgs.push("containernetworking-plugins");
     }
     if !Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
         pkgs.push("fonts-dejavu-core");
