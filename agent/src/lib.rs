@@ -16,6 +16,7 @@ pub mod desired;
 pub mod gardener;
 pub mod links;
 pub mod pipeline;
+pub mod podnet;
 pub mod report;
 pub mod run;
 pub mod source;

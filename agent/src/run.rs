@@ -132,6 +132,9 @@ pub struct RunArgs {
     /// --health-addr, --metrics-addr, --network, --network-kubeconfig, --kube-proxy-enabled.
     #[command(flatten)]
     pub status: report::StatusArgs,
+    /// --pod-network, --cni-bin-dir, --cni-conf-dir, --cni-state-dir, --cni-plugins-from.
+    #[command(flatten)]
+    pub pod_network: crate::podnet::PodNetArgs,
 }
 
 /// How long a TCP backend must stay gone from its Service before idle sockets to it are
@@ -324,6 +327,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
     };
     state.set_programs_loaded(true);
+    // The pod network: plugins installed now, the conflist once the node is programmed.
+    let podnet = crate::podnet::PodNet::start(&args.pod_network, config.mtu);
+    if podnet.is_some() {
+        state.update(|r| r.pod_network = Some("waiting for the node to be programmed".into()));
+    }
     let maps = dp.lb_maps()?;
     let dump = if args.reset { Default::default() } else { maps.dump() };
     let lb = LbState::adopt(&dump);
@@ -417,6 +425,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         departed_tcp: Vec::new(),
         reserved_ports,
         ready: false,
+        podnet,
     };
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
@@ -459,7 +468,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sigterm.recv() => { tracing::info!("terminated, exiting"); break }
         }
     }
-    let (state_dir, mut mgr) = (agent.state_dir, agent.links);
+    let (state_dir, mut mgr, podnet) = (agent.state_dir, agent.links, agent.podnet);
     src.abort();
     listener_task.abort();
     let _ = std::fs::remove_file(state_dir.join("links.json"));
@@ -468,6 +477,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tracing::info!("datapath counters: {}", stats.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
     }
     if args.detach_on_exit {
+        if let Some(p) = &podnet {
+            p.withdraw();
+        }
         dp.unpin_links();
         tracing::info!("detached all programs (--detach-on-exit)");
     }
@@ -508,6 +520,8 @@ struct Agent {
     reserved_ports: dataplane::reserved_ports::Guard,
     /// The first full sync is programmed.
     ready: bool,
+    /// The pod network's installer (`--pod-network on`).
+    podnet: Option<crate::podnet::PodNet>,
 }
 
 impl Agent {
@@ -515,10 +529,10 @@ impl Agent {
     fn on_source_events(&mut self, first: SourceEvent, rx: &mut mpsc::Receiver<SourceEvent>) {
         self.state.beat();
         let t0 = Instant::now();
-        note_node(&self.state, &first);
+        self.note_node(&first);
         self.pipeline.handle(first);
         while let Ok(ev) = rx.try_recv() {
-            note_node(&self.state, &ev);
+            self.note_node(&ev);
             self.pipeline.handle(ev);
         }
         let t_flush = Instant::now();
@@ -542,6 +556,10 @@ impl Agent {
             note_fill(&mut self.fills, fill, &self.metrics, &self.state, self.problem_events.as_ref());
         }
         self.state.set_synced(self.pipeline.is_synced());
+        if let Some(p) = self.podnet.as_mut() {
+            let pending = p.reconcile(self.pipeline.is_synced()).err();
+            self.state.update(|r| r.pod_network = pending);
+        }
         self.health_checks.update(self.pipeline.health_checks());
         if !self.ready && self.pipeline.is_synced() {
             self.ready = true;
@@ -551,6 +569,13 @@ impl Agent {
                 "ready: first full sync programmed in {:?}",
                 t0.elapsed()
             );
+        }
+    }
+
+    fn note_node(&mut self, ev: &SourceEvent) {
+        note_node(&self.state, ev);
+        if let (SourceEvent::NodeApplied(n), Some(p)) = (ev, self.podnet.as_mut()) {
+            p.observe_node(n);
         }
     }
 

@@ -77,8 +77,21 @@ impl CniNode {
 
     /// Runs the plugin once inside the node's namespace.
     pub fn invoke(&self, command: &str, attachment: Option<(&str, &str)>, netns: Option<&Path>, stdin: &[u8]) -> Result<Answer> {
-        let mut cmd = self.ns.command(&self.plugin, None)?;
-        cmd.env_clear().env("CNI_COMMAND", command).env("CNI_PATH", self.bin_dir());
+        self.invoke_from(&self.plugin, &self.bin_dir(), command, attachment, netns, stdin)
+    }
+
+    /// Runs `plugin` (e.g. one the agent installed) with `cni_path` as `CNI_PATH`.
+    pub fn invoke_from(
+        &self,
+        plugin: &Path,
+        cni_path: &Path,
+        command: &str,
+        attachment: Option<(&str, &str)>,
+        netns: Option<&Path>,
+        stdin: &[u8],
+    ) -> Result<Answer> {
+        let mut cmd = self.ns.command(plugin, None)?;
+        cmd.env_clear().env("CNI_COMMAND", command).env("CNI_PATH", cni_path);
         if let Some((id, ifname)) = attachment {
             cmd.env("CNI_CONTAINERID", id).env("CNI_IFNAME", ifname);
         }

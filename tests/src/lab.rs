@@ -516,6 +516,11 @@ impl Agent {
         if !self.opts.keep_links {
             cmd.arg("--detach-on-exit");
         }
+        // The pod network is a test's own choice (with its own CNI directories), never the
+        // machine's /opt/cni/bin and /etc/cni/net.d.
+        if !self.opts.extra.iter().any(|a| a.starts_with("--pod-network")) {
+            cmd.arg("--pod-network=off");
+        }
         cmd.args(&self.opts.extra).env("RUST_LOG", "info").env("NO_COLOR", "1").stderr(Stdio::piped()).stdout(Stdio::null());
         let mut p = Proc::spawn(cmd, "gardenet-agent")?;
         let stderr = p.child.stderr.take().unwrap();

@@ -276,3 +276,81 @@ fn two_hundred_pods_created_concurrently_and_removed_leave_nothing_behind() {
         assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1, "only lo is left in {}", p.name);
     }
 }
+
+/// The agent installs the pod network: plugins into `--cni-bin-dir`, and once its Node's
+/// `spec.podCIDRs` are known and the node is programmed, `10-gardenet.conflist` (MTU from
+/// the interface holding the node's InternalIP) and the marker STATUS looks for. A pod
+/// created through what it installed gets its address from the Node's pod CIDRs; a changed
+/// Node rewrites the conflist; an agent that removes the dataplane on exit withdraws the
+/// marker and leaves the conflist.
+#[test]
+fn the_agent_installs_the_plugins_and_the_conflist_for_its_nodes_pod_cidrs() {
+    use gardenet_tests::lab::{Agent, AgentOpts};
+    let node = setup();
+    let wire = Netns::new(&unique_tag()).unwrap();
+    node.ns.ip(&["link", "add", "up0", "mtu", "1450", "type", "veth", "peer", "name", "up1", "netns", &wire.name]).unwrap();
+    node.ns.ip(&["addr", "add", "198.18.1.1/24", "dev", "up0"]).unwrap();
+    node.ns.ip(&["link", "set", "up0", "up"]).unwrap();
+    let (bin, conf_dir, state) = (node.dir.join("agent-bin"), node.dir.join("net.d"), node.dir.join("state"));
+    let target = sibling_binary("gardenet").unwrap().parent().unwrap().to_path_buf();
+    let node_yaml = |cidrs: &str| {
+        format!("apiVersion: v1\nkind: Node\nmetadata: {{name: lab-node}}\nspec: {{podCIDRs: [{cidrs}]}}\nstatus:\n  addresses: [{{type: InternalIP, address: 198.18.1.1}}]\n")
+    };
+    let opts = AgentOpts {
+        extra: vec![
+            "--pod-network=on".into(),
+            format!("--cni-bin-dir={}", bin.display()),
+            format!("--cni-conf-dir={}", conf_dir.display()),
+            format!("--cni-state-dir={}", state.display()),
+            format!("--cni-plugins-from={},/usr/lib/cni", target.display()),
+        ],
+        ..Default::default()
+    };
+    let tag = unique_tag();
+    let mut agent = Agent::start_in(&tag, &node.ns, None, opts, &[("node.yaml", node_yaml("198.18.100.0/24, \"fd00:18:100::/64\""))]).unwrap();
+    for p in ["gardenet", "host-local", "portmap"] {
+        assert!(bin.join(p).is_file(), "{p} installed");
+    }
+    let conflist_path = conf_dir.join("10-gardenet.conflist");
+    let conflist: Value = serde_json::from_slice(&std::fs::read(&conflist_path).expect("conflist written by the time the agent is ready")).unwrap();
+    let plugin = &conflist["plugins"][0];
+    assert_eq!(plugin["type"], "gardenet");
+    assert_eq!(plugin["mtu"], 1450, "the MTU of the interface with the node's InternalIP");
+    assert_eq!(plugin["ipam"]["ranges"], json!([[{"subnet": "198.18.100.0/24"}], [{"subnet": "fd00:18:100::/64"}]]));
+    assert!(std::fs::read_dir(&conf_dir).unwrap().count() == 1, "no temporary file left");
+    // The runtime's view: the network's cniVersion and name with the plugin's own keys.
+    let mut conf = plugin.clone();
+    conf["cniVersion"] = conflist["cniVersion"].clone();
+    conf["name"] = conflist["name"].clone();
+    let installed = bin.join("gardenet");
+    let run = |cmd: &str, att: Option<(&str, &str)>, ns: Option<&Path>, conf: &Value| node.invoke_from(&installed, &bin, cmd, att, ns, &bytes(conf)).unwrap();
+    let mut status = conf.clone();
+    status["cniVersion"] = json!("1.1.0");
+    assert!(run("STATUS", None, None, &status).ok, "STATUS once the agent is ready");
+    let pod = Netns::new(&unique_tag()).unwrap();
+    let a = run("ADD", Some(("agentpod", "eth0")), Some(&pod.path()), &conf);
+    assert!(a.ok, "{}", a.json);
+    let (v4, _) = pod_ips(&a);
+    assert!(v4.starts_with("198.18.100."), "{}", a.json);
+    let _s = serve(&node.ns, "node");
+    reaches(&pod, "198.18.1.1:8080", "node", 5);
+    assert!(run("DEL", Some(("agentpod", "eth0")), Some(&pod.path()), &conf).ok);
+    // A changed Node rewrites the conflist.
+    agent.write("node.yaml", &node_yaml("198.18.101.0/24")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(&conflist_path).unwrap();
+        if text.contains("198.18.101.0/24") {
+            assert!(!text.contains("fd00:18:100::/64"), "{text}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "conflist not rewritten: {text}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // --detach-on-exit (the lab's default): the dataplane goes, STATUS says so; the
+    // conflist stays for the next agent.
+    agent.stop();
+    let s = run("STATUS", None, None, &status);
+    assert_eq!(s.json["code"], 50, "{}", s.json);
+    assert!(conflist_path.is_file());
+}

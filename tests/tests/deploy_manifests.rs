@@ -229,6 +229,12 @@ fn check_daemonset(ds: &DaemonSet) {
     assert_eq!(host_path(&cgroup).as_deref(), Some("/run/gardenet/cgroupv2"));
     let proc = mount("/hostproc").expect("the node's /proc, for --host-proc");
     assert_eq!(host_path(&proc).as_deref(), Some("/proc"));
+    // The pod network: the defaults of --cni-bin-dir, --cni-conf-dir and --cni-state-dir
+    // are the node's own directories.
+    for dir in ["/opt/cni/bin", "/etc/cni/net.d", "/run/gardenet/cni"] {
+        let m = mount(dir).unwrap_or_else(|| panic!("{dir} mount"));
+        assert_eq!(host_path(&m).as_deref(), Some(dir), "{dir} from the node");
+    }
     let config = mount("/etc/gardenet").expect("config mount");
     let cm = volumes.iter().find(|v| v.name == config).and_then(|v| v.config_map.as_ref()).expect("config from a ConfigMap");
     let configmap: ConfigMap = one("ConfigMap");

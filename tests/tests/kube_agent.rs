@@ -67,7 +67,7 @@ impl Drop for Scratch {
 /// socket LB on the lab's cgroup, no interface selected; `extra` flags are appended. Returns the process and its log lines.
 fn spawn_agent(lab: &Lab, scratch: &Scratch, extra: &[&str]) -> (Proc, mpsc::Receiver<String>) {
     let mut cmd = Command::new(sibling_binary("gardenet-agent").unwrap());
-    cmd.args(["run", "--source", "kube", "--node-name", "lab-node"])
+    cmd.args(["run", "--source", "kube", "--node-name", "lab-node", "--pod-network=off"])
         .arg("--kubeconfig")
         .arg(&scratch.kubeconfig)
         .arg(format!("--bpffs={}", scratch.bpffs.display()))

@@ -125,6 +125,35 @@ pub struct NetworkConfig {
     /// it from the Shoot's advertised addresses; the agent itself ignores it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_server: Option<ApiServer>,
+    /// Pod addresses: `{type: host-local, cidr: usePodCIDR}` (the default, and the only
+    /// form): each node hands out addresses from its Node's `spec.podCIDRs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipam: Option<Ipam>,
+    /// Pods' interface MTU; default: the MTU of the node's interface that holds its
+    /// InternalIP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtu: Option<u32>,
+}
+
+/// Smallest accepted pod MTU: IPv6's minimum link MTU (RFC 8200), as every family may be
+/// in use.
+pub const MIN_POD_MTU: u32 = 1280;
+
+/// `ipam`: where pod addresses come from (Gardener's example for gardenet).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ipam {
+    /// `host-local`: the reference plugin, delegated to by gardenet's CNI plugin.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `usePodCIDR`: the ranges are the Node's `spec.podCIDRs`.
+    pub cidr: String,
+}
+
+impl Default for Ipam {
+    fn default() -> Self {
+        Self { type_: "host-local".into(), cidr: "usePodCIDR".into() }
+    }
 }
 
 /// `apiServer`: an API server endpoint override (`host` without scheme, `port` default 443).
@@ -156,6 +185,8 @@ impl Default for NetworkConfig {
             local_redirects: Vec::new(),
             node_local_dns: NodeLocalDns::default(),
             api_server: None,
+            ipam: None,
+            mtu: None,
         }
     }
 }
@@ -645,6 +676,19 @@ impl NetworkConfig {
             }
             seen.push(r);
         }
+        if let Some(ipam) = &self.ipam {
+            if ipam.type_ != "host-local" {
+                return Err(ConfigError::new("ipam.type", format!("is {:?}; gardenet supports \"host-local\"", ipam.type_)));
+            }
+            if ipam.cidr != "usePodCIDR" {
+                return Err(ConfigError::new("ipam.cidr", format!("is {:?}; gardenet supports \"usePodCIDR\" (the Node's spec.podCIDRs)", ipam.cidr)));
+            }
+        }
+        if let Some(mtu) = self.mtu {
+            if !(MIN_POD_MTU..=65535).contains(&mtu) {
+                return Err(ConfigError::new("mtu", format!("is {mtu}, must be between {MIN_POD_MTU} and 65535")));
+            }
+        }
         let dns = &self.node_local_dns;
         let dns_rule = LocalRedirectRule { service: dns.service.clone(), address: dns.address };
         dns_rule.check().map_err(|e| e.within("nodeLocalDNS"))?;
@@ -1016,5 +1060,24 @@ nodeLocalDNS:
         assert_eq!(c.service_routing(true), ServiceRouting::Off);
         assert!(ServiceRouting::Required.active() && ServiceRouting::Requested.active());
         assert!(!ServiceRouting::Off.active() && !ServiceRouting::Refused.active());
+    }
+
+    #[test]
+    fn gardeners_ipam_example_and_an_mtu_parse_and_other_values_are_refused_by_field() {
+        let head = "apiVersion: gardenet.networking.extensions.gardener.cloud/v1alpha1\nkind: NetworkConfig\n";
+        let c = NetworkConfig::from_yaml_str(&format!("{head}ipam:\n  cidr: usePodCIDR\n  type: host-local\nmtu: 1450\n")).unwrap();
+        assert_eq!((c.ipam, c.mtu), (Some(Ipam::default()), Some(1450)));
+        for (doc, field) in [
+            ("ipam: {type: calico-ipam, cidr: usePodCIDR}", "ipam.type"),
+            ("ipam: {type: host-local, cidr: 10.0.0.0/8}", "ipam.cidr"),
+            ("ipam: {type: host-local}", "ipam"),
+            ("ipam: {type: host-local, cidr: usePodCIDR, subnet: x}", "ipam.subnet"),
+            ("mtu: 1000", "mtu"),
+            ("mtu: 70000", "mtu"),
+            ("mtu: big", "mtu"),
+        ] {
+            let e = NetworkConfig::from_yaml_str(&format!("{head}{doc}\n")).unwrap_err();
+            assert_eq!(e.field, field, "{doc}: {e}");
+        }
     }
 }

@@ -80,6 +80,8 @@ pub struct Readiness {
     /// Maps at least 90% full, one line each (`crate::dataplane::mapfill`): not a readiness condition,
     /// reported as the Node's `GardenetMapPressure` condition.
     pub map_pressure: Vec<String>,
+    /// Why the pod network is not installed yet (`None`: installed, or not gardenet's job).
+    pub pod_network: Option<String>,
 }
 
 impl Readiness {
@@ -111,6 +113,9 @@ impl Readiness {
         }
         if !self.synced {
             reasons.push("first full sync of Services and EndpointSlices is not programmed yet".to_owned());
+        }
+        if let Some(why) = &self.pod_network {
+            reasons.push(format!("pod network not installed: {why}"));
         }
         reasons
     }

@@ -776,7 +776,18 @@ fn agent_process(bin: &Path, source: &[String], pin: &Path, sizes: &MapSizes) ->
     let t0 = Instant::now();
     let child = Command::new(bin)
         // --kube-proxy-enabled=false: the agent is the Service proxy here (else it stays passive).
-        .args(["run", "--no-socket-lb", "--reset", "--detach-on-exit", "--poll-ms", "100", "--node-name", "node-000", "--kube-proxy-enabled=false"])
+        .args([
+            "run",
+            "--no-socket-lb",
+            "--reset",
+            "--detach-on-exit",
+            "--poll-ms",
+            "100",
+            "--node-name",
+            "node-000",
+            "--kube-proxy-enabled=false",
+            "--pod-network=off",
+        ])
         .args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--proxy-healthz-addr", "off"])
         .arg(format!("--map-services={}", sizes.services))
         .arg(format!("--map-backends={}", sizes.backends))
