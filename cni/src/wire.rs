@@ -181,7 +181,7 @@ pub async fn add(host: &Handle, netns_path: &Path, host_if: &str, pod_if: &str, 
             .execute()
             .await
             .map_err(nl(&format!("neighbour {gw} on {pod_if}")))?;
-        if let IpAddr::V4(_) = gw {
+        if gw.is_ipv4() {
             let r = RouteMessageBuilder::<IpAddr>::new()
                 .destination_prefix(gw, 32)
                 .map_err(|e| CniError::new(Code::Internal, e.to_string()))?
@@ -325,8 +325,7 @@ mod tests {
 
     #[test]
     fn the_v6_gateway_is_the_eui64_address_of_the_host_mac() {
-        let mut eui = [HOST_MAC[0] ^ 0x02, HOST_MAC[1], HOST_MAC[2], 0xff, 0xfe, HOST_MAC[3], HOST_MAC[4], HOST_MAC[5]];
-        eui[0] &= 0xff;
+        let eui = [HOST_MAC[0] ^ 0x02, HOST_MAC[1], HOST_MAC[2], 0xff, 0xfe, HOST_MAC[3], HOST_MAC[4], HOST_MAC[5]];
         let seg = |i: usize| u16::from_be_bytes([eui[i], eui[i + 1]]);
         assert_eq!(GATEWAY_V6, Ipv6Addr::new(0xfe80, 0, 0, 0, seg(0), seg(2), seg(4), seg(6)));
         assert_eq!(format_mac(&HOST_MAC), "ee:ee:ee:ee:ee:ee");
