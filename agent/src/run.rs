@@ -328,7 +328,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     state.set_programs_loaded(true);
     // The pod network: plugins installed now, the conflist once the node is programmed.
-    let podnet = crate::podnet::PodNet::start(&args.pod_network, config.mtu);
+    let podnet = crate::podnet::PodNet::start(&args.pod_network, config.mtu, &config.masquerade);
     if podnet.is_some() {
         state.update(|r| r.pod_network = Some("waiting for the node to be programmed".into()));
     }

@@ -289,12 +289,17 @@ fn the_agent_installs_the_plugins_and_the_conflist_for_its_nodes_pod_cidrs() {
     let node = setup();
     let wire = Netns::new(&unique_tag()).unwrap();
     node.ns.ip(&["link", "add", "up0", "mtu", "1450", "type", "veth", "peer", "name", "up1", "netns", &wire.name]).unwrap();
+    // The wire: an outside host that knows nothing of pods (no route to their CIDRs).
     node.ns.ip(&["addr", "add", "198.18.1.1/24", "dev", "up0"]).unwrap();
+    node.ns.ip(&["-6", "addr", "add", "fd00:18:1::1/64", "dev", "up0", "nodad"]).unwrap();
     node.ns.ip(&["link", "set", "up0", "up"]).unwrap();
+    wire.ip(&["addr", "add", "198.18.1.2/24", "dev", "up1"]).unwrap();
+    wire.ip(&["-6", "addr", "add", "fd00:18:1::2/64", "dev", "up1", "nodad"]).unwrap();
+    wire.ip(&["link", "set", "up1", "up"]).unwrap();
     let (bin, conf_dir, state) = (node.dir.join("agent-bin"), node.dir.join("net.d"), node.dir.join("state"));
     let target = sibling_binary("gardenet").unwrap().parent().unwrap().to_path_buf();
     let node_yaml = |cidrs: &str| {
-        format!("apiVersion: v1\nkind: Node\nmetadata: {{name: lab-node}}\nspec: {{podCIDRs: [{cidrs}]}}\nstatus:\n  addresses: [{{type: InternalIP, address: 198.18.1.1}}]\n")
+        format!("apiVersion: v1\nkind: Node\nmetadata: {{name: lab-node}}\nspec: {{podCIDRs: [{cidrs}]}}\nstatus:\n  addresses: [{{type: InternalIP, address: 198.18.1.1}}, {{type: InternalIP, address: \"fd00:18:1::1\"}}]\n")
     };
     let opts = AgentOpts {
         extra: vec![
@@ -330,10 +335,23 @@ fn the_agent_installs_the_plugins_and_the_conflist_for_its_nodes_pod_cidrs() {
     let pod = Netns::new(&unique_tag()).unwrap();
     let a = run("ADD", Some(("agentpod", "eth0")), Some(&pod.path()), &conf);
     assert!(a.ok, "{}", a.json);
-    let (v4, _) = pod_ips(&a);
-    assert!(v4.starts_with("198.18.100."), "{}", a.json);
+    assert!(pod_ips(&a).0.starts_with("198.18.100."), "{}", a.json);
+    let (v4, v6) = pod_ips(&a);
     let _s = serve(&node.ns, "node");
+    let _o = serve(&wire, "outside");
     reaches(&pod, "198.18.1.1:8080", "node", 5);
+    // Leaving the pod network: masqueraded to the node's address (the outside host has no
+    // route back to pods); to the node itself: the pod's own address.
+    for (to, name, seen) in [
+        ("198.18.1.2:8080", "outside", "198.18.1.1:"),
+        ("[fd00:18:1::2]:8080", "outside", "[fd00:18:1::1]:"),
+        ("198.18.1.1:8080", "node", &format!("{v4}:") as &str),
+        ("[fd00:18:1::1]:8080", "node", &format!("[{v6}]:")),
+    ] {
+        reaches(&pod, to, name, 5);
+        let p = netkit(&pod, &["peername", "--to", to]);
+        assert!(p["seen_as"].as_str().is_some_and(|s| s.starts_with(seen)), "{to} sees the pod as {p}, expected {seen}...");
+    }
     assert!(run("DEL", Some(("agentpod", "eth0")), Some(&pod.path()), &conf).ok);
     // A changed Node rewrites the conflist.
     agent.write("node.yaml", &node_yaml("198.18.101.0/24")).unwrap();
@@ -353,4 +371,6 @@ fn the_agent_installs_the_plugins_and_the_conflist_for_its_nodes_pod_cidrs() {
     let s = run("STATUS", None, None, &status);
     assert_eq!(s.json["code"], 50, "{}", s.json);
     assert!(conflist_path.is_file());
+    let tables = node.ns.command("nft", None).unwrap().args(["list", "tables"]).output().unwrap();
+    assert!(!String::from_utf8_lossy(&tables.stdout).contains("gardenet_masq"), "masquerade rules removed with the dataplane");
 }

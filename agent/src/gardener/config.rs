@@ -20,6 +20,9 @@
 //! nodePortAddresses: [primary]
 //! localRedirects: []          # e.g. [{service: kube-system/kube-dns, address: 169.254.20.10}]
 //! nodeLocalDNS: {enabled: false, address: 169.254.20.10, service: kube-system/kube-dns}
+//! ipam: {type: host-local, cidr: usePodCIDR}   # pod addresses from the Node's spec.podCIDRs
+//! mtu: 1450                   # pods' MTU (default: the node's InternalIP interface's)
+//! masquerade: {enabled: true, nonMasqueradeCIDRs: []}
 //! ```
 
 use std::{fmt, net::IpAddr, str::FromStr};
@@ -133,6 +136,29 @@ pub struct NetworkConfig {
     /// InternalIP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtu: Option<u32>,
+    /// Pods' traffic that leaves the cluster is source-NATed to the node's address.
+    #[serde(default)]
+    pub masquerade: Masquerade,
+}
+
+/// `masquerade`: pods' traffic to destinations outside the pod network (not to pod CIDRs,
+/// the node's addresses or `nonMasqueradeCIDRs`) leaves with the node's address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Masquerade {
+    /// Default `true`.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Destinations pods reach with their own address, e.g. the cluster's pod, node and
+    /// Service CIDRs, or a peered network.
+    #[serde(default, rename = "nonMasqueradeCIDRs")]
+    pub non_masquerade_cidrs: Vec<String>,
+}
+
+impl Default for Masquerade {
+    fn default() -> Self {
+        Self { enabled: true, non_masquerade_cidrs: Vec::new() }
+    }
 }
 
 /// Smallest accepted pod MTU: IPv6's minimum link MTU (RFC 8200), as every family may be
@@ -187,6 +213,7 @@ impl Default for NetworkConfig {
             api_server: None,
             ipam: None,
             mtu: None,
+            masquerade: Masquerade::default(),
         }
     }
 }
@@ -684,6 +711,11 @@ impl NetworkConfig {
                 return Err(ConfigError::new("ipam.cidr", format!("is {:?}; gardenet supports \"usePodCIDR\" (the Node's spec.podCIDRs)", ipam.cidr)));
             }
         }
+        for (i, c) in self.masquerade.non_masquerade_cidrs.iter().enumerate() {
+            if !c.contains('/') || c.parse::<Cidr>().is_err() {
+                return Err(ConfigError::new(format!("masquerade.nonMasqueradeCIDRs[{i}]"), format!("{c:?} is not a CIDR")));
+            }
+        }
         if let Some(mtu) = self.mtu {
             if !(MIN_POD_MTU..=65535).contains(&mtu) {
                 return Err(ConfigError::new("mtu", format!("is {mtu}, must be between {MIN_POD_MTU} and 65535")));
@@ -1067,6 +1099,9 @@ nodeLocalDNS:
         let head = "apiVersion: gardenet.networking.extensions.gardener.cloud/v1alpha1\nkind: NetworkConfig\n";
         let c = NetworkConfig::from_yaml_str(&format!("{head}ipam:\n  cidr: usePodCIDR\n  type: host-local\nmtu: 1450\n")).unwrap();
         assert_eq!((c.ipam, c.mtu), (Some(Ipam::default()), Some(1450)));
+        assert!(c.masquerade.enabled && c.masquerade.non_masquerade_cidrs.is_empty());
+        let c = NetworkConfig::from_yaml_str(&format!("{head}masquerade: {{enabled: false, nonMasqueradeCIDRs: [100.64.0.0/10, \"fd00::/8\"]}}\n")).unwrap();
+        assert_eq!(c.masquerade, Masquerade { enabled: false, non_masquerade_cidrs: vec!["100.64.0.0/10".into(), "fd00::/8".into()] });
         for (doc, field) in [
             ("ipam: {type: calico-ipam, cidr: usePodCIDR}", "ipam.type"),
             ("ipam: {type: host-local, cidr: 10.0.0.0/8}", "ipam.cidr"),
@@ -1075,6 +1110,9 @@ nodeLocalDNS:
             ("mtu: 1000", "mtu"),
             ("mtu: 70000", "mtu"),
             ("mtu: big", "mtu"),
+            ("masquerade: {nonMasqueradeCIDRs: [10.0.0.0/8, nonsense]}", "masquerade.nonMasqueradeCIDRs[1]"),
+            ("masquerade: {nonMasqueradeCIDRs: [10.0.0.1]}", "masquerade.nonMasqueradeCIDRs[0]"),
+            ("masquerade: {enabled: maybe}", "masquerade.enabled"),
         ] {
             let e = NetworkConfig::from_yaml_str(&format!("{head}{doc}\n")).unwrap_err();
             assert_eq!(e.field, field, "{doc}: {e}");

@@ -1,8 +1,10 @@
 //! The CNI configuration the agent writes for the node's container runtime: pure, from
 //! what the Node and the NetworkConfig say.
-use std::{net::IpAddr, path::Path};
+use std::path::Path;
 
 use serde_json::{json, Value};
+
+use crate::desired::Cidr;
 
 /// The file name (runtimes take the first conflist in name order).
 pub const CONFLIST: &str = "10-gardenet.conflist";
@@ -20,26 +22,20 @@ pub struct PodNetwork {
     pub mtu: u32,
 }
 
-/// A pod CIDR as the Node carries it: an address with a prefix length, one per family.
-pub fn check_pod_cidrs(cidrs: &[String]) -> Result<(), String> {
-    let mut families = Vec::new();
-    for c in cidrs {
-        let (addr, len) = c.split_once('/').ok_or_else(|| format!("spec.podCIDRs: {c:?} has no prefix length"))?;
-        let addr: IpAddr = addr.parse().map_err(|_| format!("spec.podCIDRs: {c:?} is not a CIDR"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        match len.parse::<u8>() {
-            Ok(l) if l <= max => {}
-            _ => return Err(format!("spec.podCIDRs: {c:?} has a bad prefix length")),
-        }
-        if families.contains(&addr.is_ipv4()) {
-            return Err(format!("spec.podCIDRs: {c:?}: two CIDRs of one family"));
-        }
-        families.push(addr.is_ipv4());
-    }
+/// The Node's pod CIDRs: each an address with a prefix length, at most one per family.
+pub fn parse_pod_cidrs(cidrs: &[String]) -> Result<Vec<Cidr>, String> {
     if cidrs.is_empty() {
         return Err("the Node has no spec.podCIDRs yet".into());
     }
-    Ok(())
+    let mut out: Vec<Cidr> = Vec::new();
+    for c in cidrs {
+        let cidr: Cidr = c.parse().ok().filter(|_| c.contains('/')).ok_or_else(|| format!("spec.podCIDRs: {c:?} is not a CIDR"))?;
+        if out.iter().any(|o| o.addr.is_ipv4() == cidr.addr.is_ipv4()) {
+            return Err(format!("spec.podCIDRs: {c:?}: two CIDRs of one family"));
+        }
+        out.push(cidr);
+    }
+    Ok(out)
 }
 
 /// The conflist: gardenet (addresses from host-local, state under `state_dir`), then the
@@ -88,9 +84,9 @@ mod tests {
 
     #[test]
     fn pod_cidrs_are_checked() {
-        assert!(check_pod_cidrs(&["100.96.1.0/24".into(), "fd00::/64".into()]).is_ok());
+        assert_eq!(parse_pod_cidrs(&["100.96.1.0/24".into(), "fd00::/64".into()]).unwrap().len(), 2);
         for bad in [vec![], vec!["100.96.1.0".into()], vec!["x/24".into()], vec!["10.0.0.0/33".into()], vec!["10.0.0.0/24".into(), "10.1.0.0/24".into()]] {
-            assert!(check_pod_cidrs(&bad).is_err(), "{bad:?}");
+            assert!(parse_pod_cidrs(&bad).is_err(), "{bad:?}");
         }
     }
 }

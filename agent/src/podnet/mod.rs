@@ -5,6 +5,7 @@
 //! the wiring of each pod; no daemon is on its `ADD` path.
 pub mod conflist;
 pub mod install;
+pub mod masq;
 
 use std::{
     net::IpAddr,
@@ -14,6 +15,8 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 
 use conflist::PodNetwork;
+
+use crate::{desired::Cidr, gardener::config::Masquerade};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Switch {
@@ -61,11 +64,14 @@ pub struct PodNet {
     node_ips: Vec<IpAddr>,
     plugins: Result<(), String>,
     written: Option<PodNetwork>,
+    masquerade: Masquerade,
+    /// The nftables ruleset in force.
+    masq_loaded: Option<String>,
 }
 
 impl PodNet {
     /// Copies the plugins now (the runtime may look for them before the conflist exists).
-    pub fn start(args: &PodNetArgs, mtu: Option<u32>) -> Option<PodNet> {
+    pub fn start(args: &PodNetArgs, mtu: Option<u32>, masquerade: &Masquerade) -> Option<PodNet> {
         if args.pod_network == Switch::Off {
             return None;
         }
@@ -81,7 +87,16 @@ impl PodNet {
                 Err(format!("{e:#}"))
             }
         };
-        Some(PodNet { args: args.clone(), mtu, pod_cidrs: Vec::new(), node_ips: Vec::new(), plugins, written: None })
+        Some(PodNet {
+            args: args.clone(),
+            mtu,
+            pod_cidrs: Vec::new(),
+            node_ips: Vec::new(),
+            plugins,
+            written: None,
+            masquerade: masquerade.clone(),
+            masq_loaded: None,
+        })
     }
 
     /// This agent's Node: its pod CIDRs and InternalIPs.
@@ -111,7 +126,8 @@ impl PodNet {
         if !programmed {
             return Err("waiting for the node to be programmed".into());
         }
-        conflist::check_pod_cidrs(&self.pod_cidrs)?;
+        let pod_cidrs = conflist::parse_pod_cidrs(&self.pod_cidrs)?;
+        self.masquerade(&pod_cidrs)?;
         let mtu = self.mtu.unwrap_or_else(|| self.node_ips.iter().find_map(|ip| interface_mtu(*ip)).unwrap_or(1500));
         let want = PodNetwork { pod_cidrs: self.pod_cidrs.clone(), mtu };
         if self.written.as_ref() == Some(&want) {
@@ -133,10 +149,33 @@ impl PodNet {
         Ok(())
     }
 
-    /// The dataplane is being removed (`--detach-on-exit`): the plugin's STATUS must say so.
-    /// The conflist stays (a restart or upgrade never removes it).
+    /// Loads the masquerade rules for these pod CIDRs, unless they are in force already.
+    fn masquerade(&mut self, pod_cidrs: &[Cidr]) -> Result<(), String> {
+        if !self.masquerade.enabled {
+            return Ok(());
+        }
+        let node_ips = self.node_ips.iter().filter_map(|ip| Cidr::new(*ip, if ip.is_ipv4() { 32 } else { 128 }));
+        let keep: Vec<Cidr> = self.masquerade.non_masquerade_cidrs.iter().filter_map(|c| c.parse().ok()).chain(node_ips).collect();
+        let rules = masq::ruleset(pod_cidrs, &keep);
+        if self.masq_loaded.as_ref() == Some(&rules) {
+            return Ok(());
+        }
+        masq::apply(&rules).map_err(|e| format!("loading the masquerade rules: {e:#}"))?;
+        tracing::info!("masquerading pods' traffic that leaves the pod network (nftables table inet {})", masq::TABLE);
+        self.masq_loaded = Some(rules);
+        Ok(())
+    }
+
+    /// The dataplane is being removed (`--detach-on-exit`): the plugin's STATUS must say so,
+    /// and the masquerade rules go too. The conflist stays (a restart or upgrade never
+    /// removes it).
     pub fn withdraw(&self) {
         let _ = std::fs::remove_file(self.args.cni_state_dir.join("ready"));
+        if self.masq_loaded.is_some() {
+            if let Err(e) = masq::remove() {
+                tracing::warn!("removing the masquerade rules: {e:#}");
+            }
+        }
     }
 }
 
