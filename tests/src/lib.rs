@@ -8,4 +8,5 @@ pub mod lab;
 pub mod machine;
 pub mod netns;
 pub mod plot;
+pub mod podman;
 pub mod two_nodes;

@@ -124,30 +124,36 @@ impl Netns {
 
     /// A command that will run inside this namespace (and optionally a cgroup).
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>, cgroup: Option<&TestCgroup>) -> Result<Command> {
-        let nsfd: OwnedFd = fs::File::open(self.path()).with_context(|| format!("opening {}", self.path().display()))?.into();
-        let cgfd: Option<OwnedFd> = match cgroup {
-            Some(cg) => Some(fs::OpenOptions::new().write(true).open(cg.path.join("cgroup.procs"))?.into()),
-            None => None,
-        };
-        let mut cmd = Command::new(program);
-        // SAFETY: only async-signal-safe syscalls between fork and exec; the fds are moved
-        // into the closure and stay open until exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(nsfd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+        command_in(&self.path(), program, cgroup)
+    }
+}
+
+/// A command that will run inside the network namespace at `netns` (a `/run/netns` name or
+/// a process's `/proc/PID/ns/net`), and optionally a cgroup.
+pub fn command_in(netns: &std::path::Path, program: impl AsRef<std::ffi::OsStr>, cgroup: Option<&TestCgroup>) -> Result<Command> {
+    let nsfd: OwnedFd = fs::File::open(netns).with_context(|| format!("opening {}", netns.display()))?.into();
+    let cgfd: Option<OwnedFd> = match cgroup {
+        Some(cg) => Some(fs::OpenOptions::new().write(true).open(cg.path.join("cgroup.procs"))?.into()),
+        None => None,
+    };
+    let mut cmd = Command::new(program);
+    // SAFETY: only async-signal-safe syscalls between fork and exec; the fds are moved
+    // into the closure and stay open until exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(nsfd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if let Some(fd) = &cgfd {
+                // Writing "0" moves the writing process itself.
+                if libc::write(fd.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if let Some(fd) = &cgfd {
-                    // Writing "0" moves the writing process itself.
-                    if libc::write(fd.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        Ok(cmd)
+            }
+            Ok(())
+        });
     }
+    Ok(cmd)
 }
 
 impl Netns {

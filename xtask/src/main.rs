@@ -231,6 +231,10 @@ fn have(cmd: &str) -> bool {
     Command::new("sh").arg("-c").arg(format!("command -v {cmd} >/dev/null 2>&1")).status().is_ok_and(|s| s.success())
 }
 
+fn deb_installed(pkg: &str) -> bool {
+    Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]).output().is_ok_and(|o| o.stdout.ends_with(b"install ok installed"))
+}
+
 fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0")
 }
@@ -268,6 +272,14 @@ fn setup() -> Result<()> {
     // The CNI suites delegate addresses to the reference host-local plugin (and chain portmap).
     if !Path::new("/usr/lib/cni/host-local").exists() {
         pkgs.push("containernetworking-plugins");
+    }
+    // The pod_network suite: a real container runtime (podman calls CNI plugins through
+    // libcni) running a static busybox as the pods' root file system.
+    if !have("podman") {
+        pkgs.push("podman");
+    }
+    if !deb_installed("busybox-static") {
+        pkgs.push("busybox-static");
     }
     if !Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
         pkgs.push("fonts-dejavu-core");
