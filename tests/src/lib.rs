@@ -9,4 +9,5 @@ pub mod machine;
 pub mod netns;
 pub mod plot;
 pub mod podman;
+pub mod podnode;
 pub mod two_nodes;

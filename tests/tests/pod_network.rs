@@ -7,78 +7,12 @@
 use std::{collections::BTreeMap, process::Stdio, time::Duration};
 
 use gardenet_tests::{
-    cni::{CniNode, POD_CIDR_V4, POD_CIDR_V6},
-    lab::{service_yaml_dual, Agent, AgentOpts},
-    netns::{require_root, sibling_binary, sweep_leftovers, unique_tag, Netns, Proc, TestCgroup},
-    podman::{Pod, Runtime},
+    lab::service_yaml_dual,
+    netns::{sibling_binary, Netns, Proc},
+    podman::Pod,
+    podnode::{PodNode, NODE_IP, NODE_IP6, OUTSIDE_IP, OUTSIDE_IP6},
 };
 use serde_json::Value;
-
-const NODE_IP: &str = "198.18.1.1";
-const NODE_IP6: &str = "fd00:18:1::1";
-const OUTSIDE_IP: &str = "198.18.1.2";
-const OUTSIDE_IP6: &str = "fd00:18:1::2";
-
-/// A node with the agent (socket LB on the test's cgroup, pod network on with test-owned
-/// CNI directories), an outside host on its wire, and podman.
-struct PodNode {
-    runtime: Runtime,
-    agent: Agent,
-    cgroup: TestCgroup,
-    wire: Netns,
-    node: CniNode,
-}
-
-fn node_yaml() -> String {
-    format!(
-        "apiVersion: v1\nkind: Node\nmetadata: {{name: lab-node}}\nspec: {{podCIDRs: [{POD_CIDR_V4}, \"{POD_CIDR_V6}\"]}}\nstatus:\n  addresses: [{{type: InternalIP, address: {NODE_IP}}}, {{type: InternalIP, address: \"{NODE_IP6}\"}}]\n"
-    )
-}
-
-impl PodNode {
-    fn new() -> PodNode {
-        require_root();
-        sweep_leftovers();
-        let node = CniNode::new().unwrap();
-        let wire = Netns::new(&unique_tag()).unwrap();
-        node.ns.ip(&["link", "add", "up0", "type", "veth", "peer", "name", "up1", "netns", &wire.name]).unwrap();
-        for (ns, dev, v4, v6) in [(&node.ns, "up0", NODE_IP, NODE_IP6), (&wire, "up1", OUTSIDE_IP, OUTSIDE_IP6)] {
-            ns.ip(&["addr", "add", &format!("{v4}/24"), "dev", dev]).unwrap();
-            ns.ip(&["-6", "addr", "add", &format!("{v6}/64"), "dev", dev, "nodad"]).unwrap();
-            ns.ip(&["link", "set", dev, "up"]).unwrap();
-        }
-        let tag = unique_tag();
-        let cgroup = TestCgroup::new(&tag).unwrap();
-        let (bin, conf) = (node.dir.join("agent-bin"), node.dir.join("net.d"));
-        let target = sibling_binary("gardenet").unwrap().parent().unwrap().to_path_buf();
-        let opts = AgentOpts {
-            socket_lb: true,
-            extra: vec![
-                "--pod-network=on".into(),
-                format!("--cni-bin-dir={}", bin.display()),
-                format!("--cni-conf-dir={}", conf.display()),
-                format!("--cni-state-dir={}", node.dir.join("state").display()),
-                format!("--cni-plugins-from={},/usr/lib/cni", target.display()),
-            ],
-            ..Default::default()
-        };
-        let agent = Agent::start_in(&tag, &node.ns, Some(&cgroup), opts, &[("node.yaml", node_yaml())]).unwrap();
-        let runtime = Runtime::new(&node.ns, &node.dir.join("podman"), &conf, &bin, Some(&cgroup)).unwrap();
-        PodNode { runtime, agent, cgroup, wire, node }
-    }
-
-    fn netkit(&self, pod: &Pod, args: &[&str]) -> Value {
-        let out = pod.command(sibling_binary("gardenet-netkit").unwrap(), Some(&self.cgroup)).unwrap().args(args).stderr(Stdio::inherit()).output().unwrap();
-        assert!(out.status.success(), "netkit {args:?} in {}: {}", pod.name, out.status);
-        serde_json::from_slice(&out.stdout).unwrap()
-    }
-
-    fn serve(&self, pod: &Pod) -> Proc {
-        let mut cmd = pod.command(sibling_binary("gardenet-netkit").unwrap(), None).unwrap();
-        cmd.args(["serve", "--name", &pod.name, "--port", "8080"]);
-        Proc::spawn(cmd, &pod.name).unwrap()
-    }
-}
 
 fn netkit_ns(ns: &Netns, args: &[&str]) -> Value {
     let out = ns.command(sibling_binary("gardenet-netkit").unwrap(), None).unwrap().args(args).stderr(Stdio::inherit()).output().unwrap();
@@ -109,7 +43,7 @@ fn slice(svc: &str, family: &str, addrs: &[String]) -> String {
 
 #[test]
 fn pods_created_by_podman_reach_each_other_the_node_the_outside_and_services() {
-    let n = PodNode::new();
+    let n = PodNode::new().unwrap();
     let pods: Vec<Pod> = (0..3).map(|i| n.runtime.run_pod(&format!("p{i}"), "gardenet", &[]).unwrap()).collect();
     let addrs: Vec<(String, String)> = pods.iter().map(|p| n.runtime.addresses(&p.name).unwrap()).collect();
     for (v4, v6) in &addrs {
@@ -186,7 +120,7 @@ fn pods_created_by_podman_reach_each_other_the_node_the_outside_and_services() {
 /// hostPort with another protocol or host address is another mapping (no conflict).
 #[test]
 fn host_ports_answer_from_outside_and_from_the_node() {
-    let n = PodNode::new();
+    let n = PodNode::new().unwrap();
     let a = n.runtime.run_pod("hp1", "gardenet", &["-p", "9090:8080/tcp"]).unwrap();
     let b = n.runtime.run_pod("hp2", "gardenet", &["-p", "9090:8080/udp"]).unwrap();
     let _sa = n.serve(&a);
@@ -208,7 +142,7 @@ fn host_ports_answer_from_outside_and_from_the_node() {
 /// route, no reservation).
 #[test]
 fn two_hundred_pods_of_churn_with_the_agent_killed_leave_nothing_behind() {
-    let mut n = PodNode::new();
+    let mut n = PodNode::new().unwrap();
     let count: usize = std::env::var("GARDENET_POD_CHURN").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
     let mut live: Vec<Pod> = Vec::new();
     for i in 0..count {
