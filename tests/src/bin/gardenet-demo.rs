@@ -3,13 +3,18 @@
 //! Builds a client, a node and three backend "pods" in network namespaces, runs
 //! `gardenet-agent run --source dir:...` on the node with one ClusterIP Service, sends a few
 //! hundred TCP and UDP requests to the VIP through socket LB and through TC LB, prints who
-//! answered, and tears everything down (also on Ctrl-C or failure).
+//! answered; then the pod network: pods created by podman through the CNI plugin the agent
+//! installed, reaching a Service whose backends are pods. Tears everything down (also on
+//! Ctrl-C or failure).
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use gardenet_tests::{
     interrupt,
-    lab::{backend_ip, backend_name, counts, service_yaml, slice_yaml, Agent, AgentOpts, Lab, CLIENT_IP, SERVER_PORT},
+    lab::{backend_ip, backend_name, counts, service_yaml, service_yaml_dual, slice_yaml, Agent, AgentOpts, Lab, CLIENT_IP, SERVER_PORT},
+    netns::{sibling_binary, Proc},
+    podman::Pod,
+    podnode::{PodNode, OUTSIDE_IP},
 };
 
 const VIP: &str = "198.19.0.10";
@@ -44,6 +49,12 @@ fn row(label: &str, v: &serde_json::Value) {
 }
 
 fn demo() -> Result<()> {
+    services()?;
+    interrupt::check()?;
+    pod_network()
+}
+
+fn services() -> Result<()> {
     println!("gardenet demo: one ClusterIP Service, three backends, real TCP and UDP traffic\n");
     let lab = Lab::new(3)?;
     println!("  client   {CLIENT_IP}   (namespace {})", lab.client.name);
@@ -110,6 +121,69 @@ fn demo() -> Result<()> {
     let all_ok = [&tcp_sock, &udp_sock, &tcp_tc, &udp_tc].iter().all(|v| counts(v).len() == 3);
     if !all_ok {
         bail!("not every backend answered on every path");
+    }
+    Ok(())
+}
+
+/// Pods created by a real container runtime through the CNI plugin the agent installed,
+/// reaching each other, the outside (as the node) and a Service whose backends are pods.
+fn pod_network() -> Result<()> {
+    println!("\n\nPod network: the agent installs the gardenet CNI plugin and its conflist; podman (CNI");
+    println!("backend: libcni, as containerd and CRI-O call plugins) creates pods through them\n");
+    let n = PodNode::new()?;
+    let conflist = n.node.dir.join("net.d/10-gardenet.conflist");
+    let text = std::fs::read_to_string(&conflist)?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    println!(
+        "  {} (written by the agent): pod CIDRs {}, MTU {}",
+        conflist.display(),
+        v["plugins"][0]["ipam"]["ranges"]
+            .as_array()
+            .map(|r| r.iter().map(|x| x[0]["subnet"].as_str().unwrap_or("?")).collect::<Vec<_>>().join(" + "))
+            .unwrap_or_default(),
+        v["plugins"][0]["mtu"]
+    );
+    let pods: Vec<Pod> = (0..3).map(|i| n.runtime.run_pod(&format!("pod{i}"), "gardenet", &[])).collect::<Result<_>>()?;
+    let mut addrs = Vec::new();
+    for p in &pods {
+        let (v4, v6) = n.runtime.addresses(&p.name)?;
+        println!("  {}  {v4:<15} {v6:<18} (podman pod, pid {})", p.name, p.pid);
+        addrs.push((v4, v6));
+    }
+    interrupt::check()?;
+    let _servers: Vec<_> = pods[1..].iter().map(|p| n.serve(p)).collect();
+    let _outside = {
+        let mut cmd = n.wire.command(sibling_binary("gardenet-netkit")?, None)?;
+        cmd.args(["serve", "--name", "outside", "--port", "8080"]);
+        Proc::spawn(cmd, "outside")?
+    };
+    let slice = |family: &str, ips: Vec<&String>| {
+        let eps: Vec<String> = ips.iter().map(|a| format!("  - addresses: [\"{a}\"]\n    conditions: {{ready: true}}")).collect();
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: pods-{family}, namespace: lab, labels: {{kubernetes.io/service-name: pods}}}}\naddressType: {family}\nports:\n  - {{name: p-tcp, port: 8080, protocol: TCP}}\nendpoints:\n{}\n",
+            eps.join("\n")
+        )
+    };
+    n.agent.write("pods.yaml", &service_yaml_dual("pods", "198.19.0.20", "fd00:19::20", 80, &["TCP"]))?;
+    n.agent.write("pods-v4.yaml", &slice("IPv4", addrs[1..].iter().map(|a| &a.0).collect()))?;
+    n.agent.write("pods-v6.yaml", &slice("IPv6", addrs[1..].iter().map(|a| &a.1).collect()))?;
+    n.agent.wait_backends("198.19.0.20:80/tcp", 2)?;
+    println!("\n  Service pods (198.19.0.20, fd00:19::20) with backends pod1 and pod2, 100 connections each from pod0:");
+    for vip in ["198.19.0.20:80", "[fd00:19::20]:80"] {
+        let v = n.netkit(&pods[0], &["tcp", "--to", vip, "--count", "100"]);
+        println!("    {vip:<18} pod1 {:>3}  pod2 {:>3}", v["counts"]["pod1"].as_u64().unwrap_or(0), v["counts"]["pod2"].as_u64().unwrap_or(0));
+    }
+    for (to, what) in [(format!("{}:8080", addrs[2].0), "pod2 directly"), (format!("{OUTSIDE_IP}:8080"), "a host outside the cluster")] {
+        let p = n.netkit(&pods[0], &["peername", "--to", &to]);
+        println!("  pod0 -> {what:<27} seen as {}", p["seen_as"].as_str().unwrap_or("?"));
+    }
+    for p in &pods {
+        n.runtime.rm(&p.name)?;
+    }
+    let left = n.node.host_sides()?.len() + n.node.pod_routes()?.len();
+    println!("\n  pods removed (the runtime called DEL): {left} pod interfaces or routes left on the node");
+    if left > 0 {
+        bail!("the pod network left {left} interfaces or routes behind");
     }
     Ok(())
 }
