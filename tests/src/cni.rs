@@ -47,7 +47,7 @@ impl CniNode {
         let node = CniNode { ns, dir, plugin: sibling_binary("gardenet")? };
         std::fs::create_dir_all(node.bin_dir())?;
         std::fs::create_dir_all(node.dir.join("ipam"))?;
-        for p in ["host-local", "portmap"] {
+        for p in ["host-local", "portmap", "ptp"] {
             let from = Path::new(REFERENCE_PLUGINS).join(p);
             std::os::unix::fs::symlink(&from, node.bin_dir().join(p))
                 .with_context(|| format!("{} (apt-get install containernetworking-plugins)", from.display()))?;

@@ -78,7 +78,7 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
-    /// Benchmarks that print tables: `dataplane` or `control-plane`.
+    /// Benchmarks that print tables: `dataplane`, `control-plane` or `podnet`.
     Bench {
         which: String,
         #[arg(last = true)]
@@ -163,7 +163,8 @@ fn main() -> Result<()> {
             let bin = match which.as_str() {
                 "dataplane" => "gardenet-bench-dataplane",
                 "control-plane" => "gardenet-bench-control-plane",
-                other => bail!("unknown benchmark {other:?}: dataplane or control-plane"),
+                "podnet" => "gardenet-bench-podnet",
+                other => bail!("unknown benchmark {other:?}: dataplane, control-plane or podnet"),
             };
             setup()?;
             build_ebpf(false)?;
