@@ -3,7 +3,8 @@
 //! agent's network namespace (the node's: the agent runs with `hostNetwork`).
 //!
 //! The kernel's socket tables `/proc/net/{tcp,tcp6,udp,udp6}` are read every
-//! [`POLL_INTERVAL`], and only while there are rules. A TCP socket counts when it is in
+//! [`POLL_INTERVAL`] (`--local-redirect-poll-ms`, hidden, for tests), and only while there
+//! are rules. A TCP socket counts when it is in
 //! `LISTEN` on the rule's address, a UDP socket when it is bound to it and not connected (a
 //! connected UDP socket only hears its peer). The address must match exactly: a socket bound
 //! to the wildcard (`0.0.0.0`, `::`) does not count, even though it would receive traffic to
@@ -197,10 +198,11 @@ fn read_table(path: &str, proto: Proto, out: &mut Vec<(Proto, IpAddr, u16)>) {
     }
 }
 
-/// Polls every [`POLL_INTERVAL`] and sends each change to the pipeline; also keeps
-/// `gardenet_local_redirect_active` current. Ends when the pipeline's channel has no
+/// Polls every `interval` ([`POLL_INTERVAL`] unless a test asks otherwise) and whenever a
+/// socket on a rule's address is destroyed, and sends each change to the pipeline; also
+/// keeps `gardenet_local_redirect_active` current. Ends when the pipeline's channel has no
 /// sources left (or is closed). Does nothing without rules.
-pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics: Arc<Metrics>) {
+pub async fn run(mut watch: ListenerWatch, interval: Duration, tx: WeakSender<SourceEvent>, metrics: Arc<Metrics>) {
     if watch.is_empty() {
         return;
     }
@@ -208,25 +210,32 @@ pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics:
     let mut destroyed = match destroy::Events::open() {
         Ok(e) => Some(e),
         Err(e) => {
-            tracing::warn!("local redirect: no socket-destroy notifications ({e}); a listener that goes away is noticed within {POLL_INTERVAL:?}");
+            tracing::warn!("local redirect: no socket-destroy notifications ({e}); a listener that goes away is noticed within {interval:?}");
             None
         }
     };
-    let mut tick = tokio::time::interval(POLL_INTERVAL);
+    let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let mut notified = false;
         match &mut destroyed {
             Some(d) => tokio::select! {
                 _ = tick.tick() => {}
-                r = d.wait_for(&addrs) => if let Err(e) = r {
-                    tracing::warn!("local redirect: socket-destroy notifications: {e}");
+                r = d.wait_for(&addrs) => match r {
+                    Ok(()) => notified = true,
+                    Err(e) => tracing::warn!("local redirect: socket-destroy notifications: {e}"),
                 }
             },
             None => {
                 tick.tick().await;
             }
         }
-        for c in watch.poll() {
+        let changes = watch.poll();
+        if notified && !changes.is_empty() {
+            // Says which path noticed (the namespace suite checks that it was this one).
+            tracing::info!("local redirect: noticed on a socket-destroy notification");
+        }
+        for c in changes {
             report(&metrics, &c);
             let Some(tx) = tx.upgrade() else { return };
             if tx.send(SourceEvent::LocalRedirectChanged(c.redirect)).await.is_err() {
