@@ -648,6 +648,21 @@ impl Agent {
         Ok(None)
     }
 
+    /// The backend slots of an IPv4 frontend's master entry (`None`: no entry), looked up in
+    /// the pinned map by this process: one `bpf(2)` lookup, fine enough to time when the maps
+    /// change (a whole `lb list` takes milliseconds). The writer sets the count last, after
+    /// the slots it counts.
+    pub fn slots_now(&self, addr: std::net::Ipv4Addr, port: u16, proto: u8) -> Result<Option<u16>> {
+        use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapError};
+        use gardenet_common::{ServiceKey4, ServiceValue, MAP_SERVICES};
+        let map: BpfHashMap<MapData, ServiceKey4, ServiceValue> = BpfHashMap::try_from(Map::HashMap(MapData::from_pin(self.bpffs.join(MAP_SERVICES))?))?;
+        match map.get(&ServiceKey4::master(u32::from_ne_bytes(addr.octets()), port.to_be(), proto), 0) {
+            Ok(v) => Ok(Some(v.count)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Polls until `frontend` has exactly `n` backends programmed.
     pub fn wait_backends(&self, frontend: &str, n: usize) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);
