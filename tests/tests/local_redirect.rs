@@ -1,7 +1,8 @@
 //! Node-local DNS through a local redirect (NetworkConfig `localRedirects` / `nodeLocalDNS`,
 //! here `--local-redirect`): a DNS cache on the node listens on 169.254.20.10; queries a pod
 //! sends to the kube-dns ClusterIP reach it while it is there, and the Service's endpoints
-//! while it is not (restarting, absent). Needs root; fails (does not skip) without it.
+//! while it is not (restarting, absent). Queries from the wire (TC LB on the node's
+//! interface) always reach the endpoints. Needs root; fails (does not skip) without it.
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gardenet_tests::{
@@ -37,7 +38,15 @@ fn now_ms() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()
 }
 
-/// Polls until `lb list` shows the UDP frontend going where `pred` wants (10 s at most).
+/// The UDP frontend's backends for clients on this node (socket LB): its `@this-node` set
+/// while the cache listens, else the Service's.
+fn for_pods(agent: &Agent) -> Vec<String> {
+    let fe = format!("{DNS_VIP}:53/udp");
+    agent.programmed(&format!("{fe}@this-node")).unwrap().or_else(|| agent.programmed(&fe).unwrap()).unwrap_or_default()
+}
+
+/// Polls until `lb list` shows the UDP frontend going where `pred` wants for clients on this
+/// node (10 s at most).
 fn wait_programmed(agent: &Agent, pred: impl Fn(&[String]) -> bool, what: &str) {
     wait_programmed_within(agent, pred, what, Duration::from_secs(10))
 }
@@ -45,7 +54,7 @@ fn wait_programmed(agent: &Agent, pred: impl Fn(&[String]) -> bool, what: &str) 
 fn wait_programmed_within(agent: &Agent, pred: impl Fn(&[String]) -> bool, what: &str, within: Duration) {
     let deadline = Instant::now() + within;
     loop {
-        let got = agent.programmed(&format!("{DNS_VIP}:53/udp")).unwrap().unwrap_or_default();
+        let got = for_pods(agent);
         if pred(&got) {
             return;
         }
@@ -68,14 +77,20 @@ fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
     .expect("agent");
     let to_cache = |b: &[String]| b == [format!("{CACHE_ADDR}:53")];
     wait_programmed(&agent, to_cache, "cache up");
+    let endpoints: Vec<String> = (0..2).map(|i| format!("{}:{SERVER_PORT}", backend_ip(i))).collect();
+    assert_eq!(agent.programmed(&format!("{DNS_VIP}:53/udp")).unwrap(), Some(endpoints), "the set for traffic from the wire");
 
-    // UDP and TCP from a pod (socket LB), and UDP on the TC path, all reach the cache.
+    // UDP and TCP from a pod (socket LB) reach the cache; UDP from the wire (TC LB on the
+    // node's interface) the Service's endpoints: a node's cache serves that node's pods.
     let query =
         |socket_lb: bool, proto: &str| lab.client_json(socket_lb, &[proto, "--to", &format!("{DNS_VIP}:53"), "--count", "10", "--timeout-ms", "1000"]).unwrap();
-    for (socket_lb, proto) in [(true, "udp"), (true, "tcp"), (false, "udp")] {
+    for (socket_lb, proto) in [(true, "udp"), (true, "tcp")] {
         let v = query(socket_lb, proto);
         assert_eq!(counts(&v), [("cache".to_string(), 10)], "socket LB {socket_lb}, {proto}: {v}");
     }
+    let v = query(false, "udp");
+    let c = counts(&v);
+    assert!(c.iter().all(|(n, _)| n.starts_with("be")) && c.iter().map(|(_, n)| n).sum::<u64>() == 10, "from the wire: {v}");
 
     // The cache goes away (and comes back, as in a rolling update of its DaemonSet) while a
     // pod keeps resolving: every 10 ms a query from a fresh socket, as resolvers send them.
@@ -160,15 +175,14 @@ fn a_killed_cache_is_noticed_through_its_socket_destroy_notification_not_the_pol
         &[("svc.yaml", kube_dns()), ("eps.yaml", kube_dns_slice())],
     )
     .expect("agent");
-    let frontend = format!("{DNS_VIP}:53/udp");
     let to_cache = |b: &[String]| b == [format!("{CACHE_ADDR}:53")];
     // The start-up read of the tables saw the cache.
     wait_programmed(&agent, to_cache, "cache up at start");
 
-    // The switch is timed by looking up the frontend's master entry: 1 slot (the cache), then
+    // The switch is timed by looking up the entries socket LB uses: 1 slot (the cache), then
     // 2 (the endpoints).
     let vip: std::net::Ipv4Addr = DNS_VIP.parse().unwrap();
-    let slots = || agent.slots_now(vip, 53, libc::IPPROTO_UDP as u8).unwrap();
+    let slots = || agent.socket_lb_slots_now(vip, 53, libc::IPPROTO_UDP as u8).unwrap();
     assert_eq!(slots(), Some(1), "the cache's one slot");
     let t = Instant::now();
     slots();
@@ -204,7 +218,7 @@ fn a_killed_cache_is_noticed_through_its_socket_destroy_notification_not_the_pol
             );
             std::thread::sleep(Duration::from_micros(500));
         };
-        assert_eq!(agent.programmed(&frontend).unwrap(), Some(vec![format!("{}:{SERVER_PORT}", backend_ip(0)), format!("{}:{SERVER_PORT}", backend_ip(1))]));
+        assert_eq!(for_pods(&agent), [format!("{}:{SERVER_PORT}", backend_ip(0)), format!("{}:{SERVER_PORT}", backend_ip(1))]);
         // The agent says the notification noticed it (its log reaches us through a pipe).
         let deadline = Instant::now() + Duration::from_secs(5);
         while !agent.log.lock().unwrap()[log_before..].iter().any(|l| l.contains(noticed_line)) {
