@@ -102,6 +102,11 @@ pub struct RunArgs {
     /// `localRedirects` and `nodeLocalDNS`.
     #[arg(long = "local-redirect", value_name = "NAMESPACE/NAME=ADDRESS")]
     pub local_redirects: Vec<LocalRedirectRule>,
+    /// How often the local-redirect watch reads the socket tables, in milliseconds. For
+    /// tests: with a long interval, a listener that goes away can only be noticed through
+    /// sock_diag's socket-destroy notifications.
+    #[arg(long, hide = true, default_value_t = crate::source::listeners::POLL_INTERVAL.as_millis() as u64)]
+    pub local_redirect_poll_ms: u64,
     /// Map sizes (entries); default from the NetworkConfig.
     #[arg(long)]
     pub map_services: Option<u32>,
@@ -366,7 +371,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
     // Polls the socket tables while there are rules; ends with the sources.
-    let listener_task = tokio::spawn(crate::source::listeners::run(listeners, tx.downgrade(), metrics.clone()));
+    let listener_task =
+        tokio::spawn(crate::source::listeners::run(listeners, Duration::from_millis(args.local_redirect_poll_ms.max(1)), tx.downgrade(), metrics.clone()));
     let mut reporting = None;
     let mut problem_events: Option<crate::report::events::ProblemEvents> = None;
     let src = match args.source.clone() {

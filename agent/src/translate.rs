@@ -26,9 +26,10 @@ pub struct NodeInfo {
     pub local_redirects: Vec<LocalRedirect>,
 }
 
-/// A local-redirect rule with what the agent currently sees listening: the ClusterIP
-/// frontends of `service` whose protocol and port are in `listening` go to `to` (same port)
-/// instead of the Service's endpoints.
+/// A local-redirect rule with what the agent currently sees listening: for clients on this
+/// node (the `SCOPE_THIS_NODE` set), the ClusterIP frontends of `service` whose protocol and
+/// port are in `listening` go to `to` (same port) instead of the Service's endpoints; traffic
+/// from the wire keeps the endpoints.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalRedirect {
     /// `namespace/name` of the Service (e.g. `kube-system/kube-dns`).
@@ -208,8 +209,17 @@ pub fn translate(svc: &ServiceView, slices: &[&SliceView], node: &NodeInfo) -> T
         for vip in &svc.cluster_ips {
             let fe = Frontend::new(*vip, port, proto);
             match redirect.filter(|r| r.to.is_ipv4() == vip.is_ipv4() && r.listening.contains(&(proto, port))) {
-                // A listener on this node takes the frontend (node-local DNS) while it is there.
-                Some(r) => add(&mut out, fe, &FrontendSpec { backends: vec![Backend::new(r.to, port)], ..Default::default() }, None),
+                // A listener on this node takes the frontend (node-local DNS) for clients on
+                // this node while it is there: the `SCOPE_THIS_NODE` set, which socket LB
+                // uses. Traffic from the wire (TC LB) keeps the Service's endpoints: a node's
+                // cache serves that node's pods, as node-local DNS does with kube-proxy's
+                // IPVS mode and Cilium's LocalRedirectPolicy.
+                Some(r) => add(
+                    &mut out,
+                    fe,
+                    &FrontendSpec { two_scopes: true, ..fam(vip).internal.clone() },
+                    Some(&FrontendSpec { backends: vec![Backend::new(r.to, port)], ..Default::default() }),
+                ),
                 None => add(&mut out, fe, &fam(vip).internal, None),
             }
         }
@@ -1120,8 +1130,11 @@ endpoints:
         assert_eq!(backends_of(&t, "10.96.0.10:53/udp"), bes(&["10.0.0.1:5353", "10.0.0.2:5353"]), "no listener: the endpoints");
         n.local_redirects[0].listening.insert((Proto::Udp, 53));
         let t = translate(&svc(SVC), &[&slice(SLICE)], &n);
-        assert_eq!(backends_of(&t, "10.96.0.10:53/udp"), bes(&["169.254.20.10:53"]));
+        assert_eq!(backends_of(&t, "10.96.0.10:53/udp@this-node"), bes(&["169.254.20.10:53"]), "clients on this node: the listener");
+        assert_eq!(backends_of(&t, "10.96.0.10:53/udp"), bes(&["10.0.0.1:5353", "10.0.0.2:5353"]), "traffic from the wire: the endpoints");
+        assert!(t.frontends.iter().any(|(f, s)| *f == fe("10.96.0.10:53/udp") && s.two_scopes));
         assert_eq!(backends_of(&t, "10.96.0.10:80/tcp"), bes(&["10.0.0.1:8080", "10.0.0.2:8080"]), "only the listening protocol and port");
+        assert!(!t.frontends.iter().any(|(f, _)| *f == fe("10.96.0.10:80/tcp@this-node")));
         n.local_redirects[0].service = "demo/other".into();
         assert_eq!(backends_of(&translate(&svc(SVC), &[&slice(SLICE)], &n), "10.96.0.10:53/udp").len(), 2, "other Services untouched");
     }

@@ -637,12 +637,14 @@ impl Agent {
         }
     }
 
-    /// Backends programmed for `frontend` ("ip:port/proto"), sorted.
+    /// Backends programmed for `frontend` ("ip:port/proto", "ip:port/proto@this-node" for the
+    /// set of clients on this node), sorted.
     pub fn programmed(&self, frontend: &str) -> Result<Option<Vec<String>>> {
         let v = self.lb_list()?;
         for f in v.as_array().into_iter().flatten() {
             let fe = &f["frontend"];
-            let s = format!("{}:{}/{}", bracket(fe["addr"].as_str().unwrap_or("")), fe["port"], fe["proto"].as_str().unwrap_or(""));
+            let scope = if fe["scope"].as_str() == Some("this-node") { "@this-node" } else { "" };
+            let s = format!("{}:{}/{}{scope}", bracket(fe["addr"].as_str().unwrap_or("")), fe["port"], fe["proto"].as_str().unwrap_or(""));
             if s == frontend {
                 let mut b: Vec<String> =
                     f["backends"].as_array().into_iter().flatten().map(|b| format!("{}:{}", bracket(b["addr"].as_str().unwrap_or("")), b["port"])).collect();
@@ -651,6 +653,30 @@ impl Agent {
             }
         }
         Ok(None)
+    }
+
+    /// The backend slots socket LB uses for an IPv4 frontend (`None`: no entry): the
+    /// master entry's, or the `SCOPE_THIS_NODE` set's when the master says there is one, as
+    /// the programs pick (`node_scope`). Looked up in the pinned map by this process: two
+    /// `bpf(2)` lookups, fine enough to time when the maps change (a whole `lb list` takes
+    /// milliseconds). The writer sets a count after the slots it counts.
+    pub fn socket_lb_slots_now(&self, addr: std::net::Ipv4Addr, port: u16, proto: u8) -> Result<Option<u16>> {
+        use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapError};
+        use gardenet_common::{ServiceKey4, ServiceValue, MAP_SERVICES, SCOPE_THIS_NODE, SVC_FLAG_TWO_SCOPES};
+        let map: BpfHashMap<MapData, ServiceKey4, ServiceValue> = BpfHashMap::try_from(Map::HashMap(MapData::from_pin(self.bpffs.join(MAP_SERVICES))?))?;
+        let get = |k: &ServiceKey4| match map.get(k, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let key = ServiceKey4::master(u32::from_ne_bytes(addr.octets()), port.to_be(), proto);
+        let Some(master) = get(&key)? else { return Ok(None) };
+        if master.flags & SVC_FLAG_TWO_SCOPES != 0 {
+            if let Some(node) = get(&key.with_scope(SCOPE_THIS_NODE))? {
+                return Ok(Some(node.count));
+            }
+        }
+        Ok(Some(master.count))
     }
 
     /// Polls until `frontend` has exactly `n` backends programmed.

@@ -259,6 +259,12 @@ impl Proc {
             let _ = self.child.wait();
         }
     }
+
+    /// SIGKILL (no chance to clean up, as a crash or the OOM killer), then reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for Proc {

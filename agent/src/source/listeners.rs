@@ -3,7 +3,8 @@
 //! agent's network namespace (the node's: the agent runs with `hostNetwork`).
 //!
 //! The kernel's socket tables `/proc/net/{tcp,tcp6,udp,udp6}` are read every
-//! [`POLL_INTERVAL`], and only while there are rules. A TCP socket counts when it is in
+//! [`POLL_INTERVAL`] (`--local-redirect-poll-ms`, hidden, for tests), and only while there
+//! are rules. A TCP socket counts when it is in
 //! `LISTEN` on the rule's address, a UDP socket when it is bound to it and not connected (a
 //! connected UDP socket only hears its peer). The address must match exactly: a socket bound
 //! to the wildcard (`0.0.0.0`, `::`) does not count, even though it would receive traffic to
@@ -197,10 +198,11 @@ fn read_table(path: &str, proto: Proto, out: &mut Vec<(Proto, IpAddr, u16)>) {
     }
 }
 
-/// Polls every [`POLL_INTERVAL`] and sends each change to the pipeline; also keeps
-/// `gardenet_local_redirect_active` current. Ends when the pipeline's channel has no
+/// Polls every `interval` ([`POLL_INTERVAL`] unless a test asks otherwise) and whenever a
+/// socket on a rule's address is destroyed, and sends each change to the pipeline; also
+/// keeps `gardenet_local_redirect_active` current. Ends when the pipeline's channel has no
 /// sources left (or is closed). Does nothing without rules.
-pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics: Arc<Metrics>) {
+pub async fn run(mut watch: ListenerWatch, interval: Duration, tx: WeakSender<SourceEvent>, metrics: Arc<Metrics>) {
     if watch.is_empty() {
         return;
     }
@@ -208,25 +210,32 @@ pub async fn run(mut watch: ListenerWatch, tx: WeakSender<SourceEvent>, metrics:
     let mut destroyed = match destroy::Events::open() {
         Ok(e) => Some(e),
         Err(e) => {
-            tracing::warn!("local redirect: no socket-destroy notifications ({e}); a listener that goes away is noticed within {POLL_INTERVAL:?}");
+            tracing::warn!("local redirect: no socket-destroy notifications ({e}); a listener that goes away is noticed within {interval:?}");
             None
         }
     };
-    let mut tick = tokio::time::interval(POLL_INTERVAL);
+    let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let mut notified = false;
         match &mut destroyed {
             Some(d) => tokio::select! {
                 _ = tick.tick() => {}
-                r = d.wait_for(&addrs) => if let Err(e) = r {
-                    tracing::warn!("local redirect: socket-destroy notifications: {e}");
+                r = d.wait_for(&addrs) => match r {
+                    Ok(()) => notified = true,
+                    Err(e) => tracing::warn!("local redirect: socket-destroy notifications: {e}"),
                 }
             },
             None => {
                 tick.tick().await;
             }
         }
-        for c in watch.poll() {
+        let changes = watch.poll();
+        if notified && !changes.is_empty() {
+            // Says which path noticed (the namespace suite checks that it was this one).
+            tracing::info!("local redirect: noticed on a socket-destroy notification");
+        }
+        for c in changes {
             report(&metrics, &c);
             let Some(tx) = tx.upgrade() else { return };
             if tx.send(SourceEvent::LocalRedirectChanged(c.redirect)).await.is_err() {
@@ -268,6 +277,18 @@ mod destroy {
             }
             // SAFETY: `raw` is a fresh, valid fd nobody else owns.
             let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            // Bound before joining: the kernel sends the notifications with port id 0 and
+            // skips every member whose own port id equals the sender's (`do_one_broadcast`),
+            // so an unbound socket (port id 0) is a member that never receives anything.
+            // `nl_pid` 0 asks the kernel to assign a port id.
+            // SAFETY: an all-zero `sockaddr_nl` is valid; only the family is set.
+            let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+            sa.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+            // SAFETY: a valid fd and a `sockaddr_nl` of the size given.
+            let rc = unsafe { libc::bind(fd.as_raw_fd(), (&sa as *const libc::sockaddr_nl).cast(), size_of::<libc::sockaddr_nl>() as libc::socklen_t) };
+            if rc != 0 {
+                return Err(io::Error::last_os_error());
+            }
             for g in GROUPS {
                 // SAFETY: a valid fd and an int option of the right size.
                 let rc = unsafe {
@@ -359,6 +380,30 @@ mod destroy {
             m[SRC..SRC + 16].copy_from_slice(&"::ffff:169.254.20.10".parse::<std::net::Ipv6Addr>().unwrap().octets());
             assert_eq!(source(&m), Some("169.254.20.10".parse().unwrap()));
             assert!(messages(&m[..10]).next().is_none(), "truncated: nothing");
+        }
+
+        /// Needs CAP_NET_ADMIN (the groups), like the namespace suites: a real socket's
+        /// destruction wakes the watch, and only a socket on one of the addresses asked for.
+        /// (Until 2026-12-07 the netlink socket was never bound and received nothing: the
+        /// watch only ever noticed through the poll.)
+        #[tokio::test]
+        async fn a_destroyed_socket_on_the_address_wakes_the_watch() {
+            use std::time::Duration;
+            // Loopback addresses no other test binds.
+            let (watched, other): (IpAddr, IpAddr) = ("127.79.0.1".parse().unwrap(), "127.79.0.2".parse().unwrap());
+            let mut events = Events::open().expect("sock_diag destroy groups (needs CAP_NET_ADMIN)");
+            let quiet = tokio::time::timeout(Duration::from_millis(100), events.wait_for(&[watched])).await;
+            assert!(quiet.is_err(), "woken with no socket destroyed: {quiet:?}");
+            drop(std::net::UdpSocket::bind((other, 0)).unwrap());
+            let not_ours = tokio::time::timeout(Duration::from_millis(300), events.wait_for(&[watched])).await;
+            assert!(not_ours.is_err(), "woken by a socket on another address: {not_ours:?}");
+            let udp: fn(IpAddr) = |a| drop(std::net::UdpSocket::bind((a, 0)).unwrap());
+            let tcp: fn(IpAddr) = |a| drop(std::net::TcpListener::bind((a, 0)).unwrap());
+            for bind in [udp, tcp] {
+                bind(watched);
+                let woken = tokio::time::timeout(Duration::from_secs(5), events.wait_for(&[watched])).await;
+                assert!(matches!(woken, Ok(Ok(()))), "no destroy notification for a socket on {watched} within 5 s: {woken:?}");
+            }
         }
     }
 }

@@ -91,8 +91,10 @@ enum Cmd {
         #[arg(long)]
         trace: bool,
         /// One connected socket, as a resolver keeps it; after a socket error (the socket
-        /// was destroyed) a new one is connected, as resolvers do. Prints `reconnects`.
-        #[arg(long, conflicts_with = "fresh_socket")]
+        /// was destroyed) a new one is connected, as resolvers do. Prints `reconnects`. With
+        /// `--fresh-socket`: a new connected socket per datagram, as glibc's resolver opens
+        /// one per lookup (errors such as ECONNREFUSED reach it, unlike an unconnected one).
+        #[arg(long)]
         connected: bool,
     },
     /// Connect, then report getpeername() and the answering backend (TCP, or connected UDP).
@@ -209,7 +211,9 @@ fn main() -> Result<()> {
             tcp(to, count.min(100_000), Duration::from_millis(timeout_ms), bind_port, random, turns)
         }
         Cmd::Udp { to, count, timeout_ms, fresh_socket, bind_port, interval_ms, trace, connected } => {
-            let mode = if fresh_socket {
+            let mode = if fresh_socket && connected {
+                UdpMode::FreshConnected
+            } else if fresh_socket {
                 UdpMode::Fresh
             } else if connected {
                 UdpMode::Connected
@@ -596,6 +600,8 @@ enum UdpMode {
     Fresh,
     /// One connected socket, replaced by a newly connected one after a socket error.
     Connected,
+    /// A new connected socket per datagram.
+    FreshConnected,
 }
 
 fn udp(to: SocketAddr, count: u32, timeout: Duration, mode: UdpMode, bind_port: Option<u16>, interval: Duration, trace: bool) -> Result<()> {
@@ -606,7 +612,7 @@ fn udp(to: SocketAddr, count: u32, timeout: Duration, mode: UdpMode, bind_port: 
     let open = |local: SocketAddr| -> std::io::Result<UdpSocket> {
         let s = UdpSocket::bind(local)?;
         s.set_read_timeout(Some(timeout))?;
-        if mode == UdpMode::Connected {
+        if matches!(mode, UdpMode::Connected | UdpMode::FreshConnected) {
             s.connect(to)?;
         }
         Ok(s)
@@ -622,12 +628,12 @@ fn udp(to: SocketAddr, count: u32, timeout: Duration, mode: UdpMode, bind_port: 
         if i > 0 && !interval.is_zero() {
             std::thread::sleep(interval);
         }
-        if mode == UdpMode::Fresh {
+        if matches!(mode, UdpMode::Fresh | UdpMode::FreshConnected) {
             s = open(any_for(to))?;
         }
         let sent = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
         let r = match mode {
-            UdpMode::Connected => s.send(b"HELLO"),
+            UdpMode::Connected | UdpMode::FreshConnected => s.send(b"HELLO"),
             _ => s.send_to(b"HELLO", to),
         };
         let r = r.and_then(|_| s.recv_from(&mut buf));
