@@ -326,6 +326,23 @@ mod tests {
     }
 
     #[test]
+    fn the_pod_networks_settings_are_validated_by_field() {
+        let gardener_example = pc(json!({"ipam": {"type": "host-local", "cidr": "usePodCIDR"}, "mtu": 1450, "masquerade": {"nonMasqueradeCIDRs": ["10.250.0.0/16"]}}));
+        assert_eq!(admission(shoot(net(gardener_example), false))["allowed"], true);
+        for (extra, field) in [
+            (json!({"ipam": {"type": "calico-ipam", "cidr": "usePodCIDR"}}), "ipam.type"),
+            (json!({"ipam": {"type": "host-local", "cidr": "10.0.0.0/8"}}), "ipam.cidr"),
+            (json!({"mtu": 576}), "mtu"),
+            (json!({"masquerade": {"nonMasqueradeCIDRs": ["nope"]}}), "masquerade.nonMasqueradeCIDRs[0]"),
+        ] {
+            let r = admission(shoot(net(pc(extra.clone())), false));
+            assert_eq!(r["allowed"], false, "{extra}");
+            let msg = r["status"]["message"].as_str().unwrap();
+            assert!(msg.starts_with(&format!("spec.networking.providerConfig.{field}:")), "{extra}: {msg}");
+        }
+    }
+
+    #[test]
     fn combinations_the_agent_cannot_honour() {
         let off = pc(json!({"socketLB": {"enabled": false}, "interfaces": {"include": []}}));
         let r = admission(shoot(net(off.clone()), false));

@@ -34,6 +34,16 @@ fn start_cache(lab: &Lab) -> Proc {
     Proc::spawn(cmd, "node-local DNS cache").unwrap()
 }
 
+/// A lab whose node holds the cache's address (the client routes it via the node), with the
+/// cache listening there.
+fn cache_lab() -> (Lab, Proc) {
+    let lab = Lab::new(2).expect("lab");
+    lab.node.ip(&["addr", "add", &format!("{CACHE_ADDR}/32"), "dev", "lo"]).unwrap();
+    lab.client.ip(&["route", "add", &format!("{CACHE_ADDR}/32"), "via", NODE_IP]).unwrap();
+    let cache = start_cache(&lab);
+    (lab, cache)
+}
+
 /// The tests of this suite run one at a time: the kill-to-switch times measured here are to
 /// be the agent's and the kernel's, not those of another lab's agent and clients sharing the
 /// CPUs (run side by side on 2 vCPUs, the switch took up to 19 ms instead of ~6).
@@ -75,10 +85,7 @@ fn wait_programmed_within(agent: &Agent, pred: impl Fn(&[String]) -> bool, what:
 #[test]
 fn dns_to_the_cluster_ip_goes_to_the_node_local_cache_while_it_is_there() {
     let _serial = one_at_a_time();
-    let lab = Lab::new(2).expect("lab");
-    lab.node.ip(&["addr", "add", &format!("{CACHE_ADDR}/32"), "dev", "lo"]).unwrap();
-    lab.client.ip(&["route", "add", &format!("{CACHE_ADDR}/32"), "via", NODE_IP]).unwrap();
-    let mut cache = start_cache(&lab);
+    let (lab, mut cache) = cache_lab();
     let agent = Agent::start(
         &lab,
         AgentOpts { socket_lb: true, tc: true, extra: vec!["--local-redirect".into(), format!("lab/kube-dns={CACHE_ADDR}")], ..Default::default() },
@@ -178,10 +185,7 @@ fn a_killed_cache_is_noticed_through_its_socket_destroy_notification_not_the_pol
     // Ten times that still rules out every poll (100 ms by default, 10 s here).
     const NOT_THE_POLL: Duration = Duration::from_millis(200);
     let emulated = std::env::var_os("GARDENET_EMULATED").is_some();
-    let lab = Lab::new(2).expect("lab");
-    lab.node.ip(&["addr", "add", &format!("{CACHE_ADDR}/32"), "dev", "lo"]).unwrap();
-    lab.client.ip(&["route", "add", &format!("{CACHE_ADDR}/32"), "via", NODE_IP]).unwrap();
-    let mut cache = start_cache(&lab);
+    let (lab, mut cache) = cache_lab();
     let agent = Agent::start(
         &lab,
         AgentOpts {
