@@ -12,7 +12,7 @@ use network_types::{
 };
 
 use super::{
-    l4::{end_fields, rewrite_port, End},
+    end::{end_fields, rewrite_port, End},
     BPF_F_PSEUDO_HDR,
 };
 use crate::{

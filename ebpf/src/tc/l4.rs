@@ -6,15 +6,8 @@ use core::mem::offset_of;
 use aya_ebpf::programs::TcContext;
 use network_types::{eth::EthHdr, tcp::TcpHdr};
 
-use super::l3::L3;
+use super::{end::End, l3::L3};
 use crate::headers::{Flow, ETH_HLEN, TCP_FLAGS_OFF, TCP_FLAG_ACK, TCP_FLAG_RST};
-
-/// Which end of a flow a rewrite changes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum End {
-    Src,
-    Dst,
-}
 
 /// Rewrites the destination address and port.
 #[inline(always)]
@@ -26,28 +19,6 @@ pub fn dnat<F: L3>(ctx: &TcContext, f: &Flow<F>, addr: F::Addr, port: u16) -> Op
 #[inline(always)]
 pub fn snat<F: L3>(ctx: &TcContext, f: &Flow<F>, addr: F::Addr, port: u16) -> Option<()> {
     F::rewrite_end(ctx, f, End::Src, addr, port)
-}
-
-/// Where `end`'s address and port are and what they hold (as parsed). TCP and UDP have
-/// their ports at the same offsets.
-#[inline(always)]
-pub fn end_fields<F: L3>(f: &Flow<F>, end: End) -> ((usize, F::Addr), (usize, u16)) {
-    match end {
-        End::Src => ((ETH_HLEN + F::SADDR, f.saddr), (f.l4 + offset_of!(TcpHdr, source), f.sport)),
-        End::Dst => ((ETH_HLEN + F::DADDR, f.daddr), (f.l4 + offset_of!(TcpHdr, dest), f.dport)),
-    }
-}
-
-/// The port's part of a rewrite: its L4 checksum update (ports are not in the pseudo header)
-/// and its store; nothing when the port stays (a Service forwarding 80 to 80: two helper
-/// calls saved per packet).
-#[inline(always)]
-pub fn rewrite_port<F: L3>(ctx: &TcContext, f: &Flow<F>, off: usize, old: u16, new: u16) -> Option<()> {
-    if old == new {
-        return Some(());
-    }
-    ctx.l4_csum_replace(f.csum_off(), old as u64, new as u64, 2 | f.csum_flags()).ok()?;
-    ctx.store(off, &new, 0).ok()
 }
 
 /// Rewrites a SYN into the RST+ACK a closed port would send. Every changed field goes through

@@ -6,6 +6,7 @@
 //! and an IPv6 packet); source NAT in `snat.rs`, ICMP errors in `icmp.rs`, the L4 rewrites
 //! (NAT of an address and port, SYN -> RST) in `l4.rs`.
 
+mod end;
 mod icmp;
 mod l3;
 mod l4;
