@@ -238,7 +238,10 @@ fn status_is_not_available_until_the_agent_has_programmed_the_node() {
 #[test]
 fn two_hundred_pods_created_concurrently_and_removed_leave_nothing_behind() {
     let node = setup();
-    let pods: Vec<Netns> = (0..200).map(|_| Netns::new(&unique_tag()).unwrap()).collect();
+    // Under software emulation (the kernel matrix's VMs) every exec costs a hundred times
+    // more: 40 pods there check the same kernel behaviour.
+    let n = if std::env::var_os("GARDENET_EMULATED").is_some() { 40 } else { 200 };
+    let pods: Vec<Netns> = (0..n).map(|_| Netns::new(&unique_tag()).unwrap()).collect();
     // Four runtimes' worth of concurrent ADDs: host-local's lock keeps addresses unique.
     let answers: Vec<(usize, Answer)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
@@ -255,8 +258,8 @@ fn two_hundred_pods_created_concurrently_and_removed_leave_nothing_behind() {
         let (v4, v6) = pod_ips(a);
         assert!(seen.insert(v4.clone()) && seen.insert(v6.clone()), "pod{i} got an address twice: {v4} {v6}");
     }
-    assert_eq!(node.host_sides().unwrap().len(), 200);
-    assert_eq!(node.reservations().len(), 400);
+    assert_eq!(node.host_sides().unwrap().len(), n);
+    assert_eq!(node.reservations().len(), 2 * n);
     std::thread::scope(|s| {
         for t in 0..4 {
             let (node, pods) = (&node, &pods);
