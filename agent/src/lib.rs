@@ -19,5 +19,6 @@ pub mod pipeline;
 pub mod podnet;
 pub mod report;
 pub mod run;
+pub mod settings;
 pub mod source;
 pub mod translate;

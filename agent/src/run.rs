@@ -11,16 +11,17 @@ use tokio::sync::mpsc;
 use crate::{
     dataplane::lbmap::LbState,
     dataplane::mapfill::{Change, Fill, MapFills},
-    dataplane::{self, Dataplane, MapSizes},
+    dataplane::{self, Dataplane},
     desired::{Backend, Frontend, Proto},
     gardener::{
         capability::{self, LinuxHost, Requirements},
-        config::{LocalRedirectRule, NetworkConfig, NodePortAddress},
+        config::{LocalRedirectRule, NodePortAddress},
     },
     pipeline::Pipeline,
     report,
     report::health::AgentState,
     report::metrics::{ErrorKind, Metrics},
+    settings::{DataplaneSettings, Settings, SocketLb},
     source::listeners::ListenerWatch,
     source::{self, SourceEvent},
     translate::NodeInfo,
@@ -215,27 +216,6 @@ pub fn default_state_dir(bpffs: &Path) -> PathBuf {
     PathBuf::from("/run/gardenet").join(bpffs.file_name().unwrap_or_default())
 }
 
-/// What the agent tells translation about this node besides the Node object: NodePort
-/// address selection, the externalIPs switch and the local-redirect rules. Flags win over
-/// the NetworkConfig.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NodeSettings {
-    pub node_port_addresses: Vec<NodePortAddress>,
-    pub no_external_ips: bool,
-    pub local_redirects: Vec<LocalRedirectRule>,
-}
-
-pub fn node_settings(args: &RunArgs, config: &NetworkConfig) -> Result<NodeSettings> {
-    let node_port_addresses = if args.node_port_addresses.is_empty() { config.node_port_addresses.clone() } else { args.node_port_addresses.clone() };
-    let local_redirects = if args.local_redirects.is_empty() { config.local_redirect_rules() } else { args.local_redirects.clone() };
-    for (i, r) in local_redirects.iter().enumerate() {
-        if let Some(o) = local_redirects[..i].iter().find(|o| o.service == r.service) {
-            bail!("--local-redirect: {} is redirected twice ({} and {})", r.service, o.address, r.address);
-        }
-    }
-    Ok(NodeSettings { node_port_addresses, no_external_ips: args.no_external_ips || !config.external_ips.enabled, local_redirects })
-}
-
 pub fn load_config(path: Option<&Path>) -> Result<crate::gardener::config::NetworkConfig> {
     match path {
         Some(p) => {
@@ -243,16 +223,6 @@ pub fn load_config(path: Option<&Path>) -> Result<crate::gardener::config::Netwo
             crate::gardener::config::NetworkConfig::from_yaml_str(&text).with_context(|| format!("{}", p.display()))
         }
         None => Ok(Default::default()),
-    }
-}
-
-fn xdp_from_config(m: crate::gardener::config::XdpMode) -> dataplane::XdpMode {
-    use crate::gardener::config::XdpMode as C;
-    match m {
-        C::Off => dataplane::XdpMode::Off,
-        C::Generic => dataplane::XdpMode::Generic,
-        C::Native => dataplane::XdpMode::Native,
-        C::Auto => dataplane::XdpMode::Auto,
     }
 }
 
@@ -303,18 +273,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // From here on gardenet is the Service proxy: answer kube-proxy's health check too
     // (unhealthy until the dataplane is loaded and the first sync programmed).
     let proxy_healthz = report::serve_proxy_healthz(&args.status, state.clone(), warnings.clone());
-    let sizes = MapSizes {
-        services: args.map_services.unwrap_or(config.map_sizes.services),
-        backends: args.map_backends.unwrap_or(config.map_sizes.backends),
-        sock_revnat: config.map_sizes.sock_rev_nat,
-        conntrack: args.map_conntrack.unwrap_or(config.map_sizes.conntrack),
-        ..Default::default()
-    };
+    // Flags and the NetworkConfig, resolved once; each stage starts from its part.
+    let settings = Settings::resolve(&args, &config)?;
     // What this kernel offers decides programs and attachments: said once, and exported.
     let features = crate::dataplane::features::KernelFeatures::probe();
     tracing::info!("{}", features.summary());
     metrics.set_kernel_features(&features.list());
-    let mut dp = match setup_dataplane(&args, &config, sizes, features) {
+    let mut dp = match setup_dataplane(&settings.dataplane, features) {
         Ok(dp) => dp,
         Err(e) => {
             metrics.error(ErrorKind::Attach);
@@ -333,46 +298,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     state.set_programs_loaded(true);
     // The pod network: plugins installed now, the conflist once the node is programmed.
-    let podnet = crate::podnet::PodNet::start(&args.pod_network, config.mtu, &config.masquerade);
+    let podnet = settings.pod_network.as_ref().map(crate::podnet::PodNet::start);
     if podnet.is_some() {
         state.update(|r| r.pod_network = Some("waiting for the node to be programmed".into()));
-    }
-    let maps = dp.lb_maps()?;
-    let dump = if args.reset { Default::default() } else { maps.dump() };
-    let lb = LbState::adopt(&dump);
-    if lb.frontend_count() > 0 {
-        tracing::info!("adopted {} frontends and {} backends from pinned maps", lb.frontend_count(), lb.backend_count());
     }
     // Source NAT for remote endpoints asks the FIB for the node's source address
     // (BPF_FIB_LOOKUP_SRC); without it external traffic is only DNATed (the start log said so).
     let no_source_nat = !dp.features.fib_lookup_src;
-    let settings = node_settings(&args, &config)?;
-    let npa: Vec<String> = settings.node_port_addresses.iter().map(|a| a.to_string()).collect();
-    tracing::info!("NodePorts on the node addresses selected by {}", npa.join(","));
-    if settings.no_external_ips {
-        tracing::info!("externalIPs of Services are ignored");
-    }
-    // Local redirects start from what listens now, so the first sync already uses them.
-    let mut listeners = ListenerWatch::new(&settings.local_redirects);
-    for r in listeners.redirects() {
-        tracing::info!("local redirect {}: ClusterIP traffic goes to {} while something listens there", r.service, r.to);
-    }
-    for c in listeners.poll() {
-        crate::source::listeners::report(&metrics, &c);
-    }
-    let node = NodeInfo {
-        name: args.node_name.clone(),
-        no_source_nat,
-        no_external_ips: settings.no_external_ips,
-        local_redirects: listeners.redirects().to_vec(),
-        ..Default::default()
-    };
-    let pipeline = Pipeline::new(maps, lb, node).with_node_port_addresses(settings.node_port_addresses.clone()).with_service_nets(&dump.service_nets);
+    let (pipeline, listeners) = start_pipeline(&mut dp, &settings, args.reset, &metrics)?;
 
     let (tx, mut rx) = mpsc::channel::<SourceEvent>(4096);
     // Polls the socket tables while there are rules; ends with the sources.
-    let listener_task =
-        tokio::spawn(crate::source::listeners::run(listeners, Duration::from_millis(args.local_redirect_poll_ms.max(1)), tx.downgrade(), metrics.clone()));
+    let listener_task = tokio::spawn(crate::source::listeners::run(listeners, settings.listener_poll, tx.downgrade(), metrics.clone()));
     let mut reporting = None;
     let mut problem_events: Option<crate::report::events::ProblemEvents> = None;
     let src = match args.source.clone() {
@@ -380,7 +317,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             if !d.is_dir() {
                 bail!("--source dir:{}: not a directory", d.display());
             }
-            tokio::spawn(source::dir::run(d, Duration::from_millis(args.poll_ms), args.node_name.clone(), tx))
+            tokio::spawn(source::dir::run(d, settings.source_poll, settings.node_name.clone(), tx))
         }
         SourceSpec::Kube => {
             let client = kube_client.context("the kube source has a client")?;
@@ -396,10 +333,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
 
     // Interfaces: selection by pattern, attached and kept attached as links come and go.
-    let selector = interface_selector(&args, &config.interfaces);
     let (links, mut watcher) = crate::links::watch(crate::links::WatchOptions::default()).await?;
-    let reserved_ports = reserved_ports_guard(&args, &selector, no_source_nat);
-    let mut mgr = crate::links::LinkManager::new(selector, dp);
+    let reserved_ports = settings.links.reserved_ports(&settings.host_proc, no_source_nat);
+    let mut mgr = crate::links::LinkManager::new(settings.links.selector.clone(), dp);
     mgr.sync(links, Instant::now());
     // Socket LB and the interfaces present now run the new programs: the old maps are done.
     if let Err(e) = mgr.attacher_mut().finish_migration() {
@@ -408,16 +344,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
     for st in mgr.snapshot() {
         tracing::info!(interface = %st.name, selected = st.selected, hooks = %st.hooks.join(","), "{}", st.reason);
     }
-    let state_dir = args.state_dir.clone().unwrap_or_else(|| default_state_dir(&args.bpffs));
+    let state_dir = settings.state_dir.clone();
     links_changed(&state_dir, &state, &metrics, &mgr.snapshot());
     let mut tick = tokio::time::interval(Duration::from_millis(500));
-    let mut conntrack_tick = tokio::time::interval(Duration::from_secs(args.conntrack_scan_secs.max(1)));
+    let mut conntrack_tick = tokio::time::interval(settings.conntrack.scan_every);
     let (ct_tx, mut ct_rx) = tokio::sync::mpsc::channel::<dataplane::ctgc::Scan>(1);
-    let closed_hold = (args.conntrack_closed_secs > 0).then(|| Duration::from_secs(args.conntrack_closed_secs));
+    let closed_hold = settings.conntrack.closed_hold;
     state.beat();
     let mut agent = Agent {
-        bpffs: args.bpffs.clone(),
-        host_proc: args.host_proc.clone(),
+        bpffs: settings.dataplane.bpffs.clone(),
+        host_proc: settings.host_proc.clone(),
         state,
         metrics,
         pipeline,
@@ -425,8 +361,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         state_dir,
         problem_events,
         fills: MapFills::default(),
-        map_services: sizes.services as usize,
-        map_backends: sizes.backends as usize,
+        map_services: settings.dataplane.sizes.services as usize,
+        map_backends: settings.dataplane.sizes.backends as usize,
         health_checks: crate::report::healthcheck::HealthCheckServers::new(warnings),
         departed_tcp: Vec::new(),
         reserved_ports,
@@ -482,7 +418,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Ok(stats) = dp.stats() {
         tracing::info!("datapath counters: {}", stats.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
     }
-    if args.detach_on_exit {
+    if settings.dataplane.detach_on_exit {
         if let Some(p) = &podnet {
             p.withdraw();
         }
@@ -674,47 +610,53 @@ async fn config_from_network(args: &RunArgs, network: &report::network::NetworkR
     }
 }
 
-/// Which interfaces TC LB attaches to: the patterns of the flags, else of the NetworkConfig,
-/// and `--tc-interface` forced.
-fn interface_selector(args: &RunArgs, config: &crate::gardener::config::Interfaces) -> crate::links::Selector {
-    let mut iface_args = args.interfaces.clone();
-    iface_args.force.extend(args.tc_interfaces.iter().cloned());
-    iface_args.selector(config)
-}
-
-/// The ports TC LB translates on the node's own addresses, to keep from local sockets: none
-/// when no interface can be selected (socket LB alone translates no packet addressed to the
-/// node) or with `--no-reserve-ports`.
-fn reserved_ports_guard(args: &RunArgs, selector: &crate::links::Selector, no_source_nat: bool) -> dataplane::reserved_ports::Guard {
-    use dataplane::reserved_ports::{Guard, PortRange, SysctlDirs};
-    let mut want = Vec::new();
-    if !args.no_reserve_ports && selector.may_select() {
-        want.push(("NodePorts", args.node_port_range));
-        if !no_source_nat {
-            let snat = PortRange::new(gardenet_common::SNAT_PORT_MIN, gardenet_common::SNAT_PORT_MIN + (gardenet_common::SNAT_PORT_COUNT - 1));
-            want.extend(snat.map(|r| ("source NAT", r)));
-        }
+/// The pipeline over the dataplane's maps: it adopts what a previous agent programmed
+/// (unless `--reset`), with this node's settings and the local redirects as they listen now
+/// (so the first sync already uses them).
+fn start_pipeline(dp: &mut Dataplane, settings: &Settings, reset: bool, metrics: &Metrics) -> Result<(Pipeline<dataplane::AyaLbMaps>, ListenerWatch)> {
+    let maps = dp.lb_maps()?;
+    let dump = if reset { Default::default() } else { maps.dump() };
+    let lb = LbState::adopt(&dump);
+    if lb.frontend_count() > 0 {
+        tracing::info!("adopted {} frontends and {} backends from pinned maps", lb.frontend_count(), lb.backend_count());
     }
-    Guard::new(SysctlDirs::of_node(&args.host_proc), want)
+    let no_source_nat = !dp.features.fib_lookup_src;
+    let node_settings = &settings.node;
+    let npa: Vec<String> = node_settings.node_port_addresses.iter().map(|a| a.to_string()).collect();
+    tracing::info!("NodePorts on the node addresses selected by {}", npa.join(","));
+    if node_settings.no_external_ips {
+        tracing::info!("externalIPs of Services are ignored");
+    }
+    // Local redirects start from what listens now, so the first sync already uses them.
+    let mut listeners = ListenerWatch::new(&node_settings.local_redirects);
+    for r in listeners.redirects() {
+        tracing::info!("local redirect {}: ClusterIP traffic goes to {} while something listens there", r.service, r.to);
+    }
+    for c in listeners.poll() {
+        crate::source::listeners::report(metrics, &c);
+    }
+    let node = NodeInfo {
+        name: settings.node_name.clone(),
+        no_source_nat,
+        no_external_ips: node_settings.no_external_ips,
+        local_redirects: listeners.redirects().to_vec(),
+        ..Default::default()
+    };
+    let pipeline = Pipeline::new(maps, lb, node).with_node_port_addresses(node_settings.node_port_addresses.clone()).with_service_nets(&dump.service_nets);
+    Ok((pipeline, listeners))
 }
 
 /// Loads the programs and attaches socket LB (interfaces come later, from the link manager).
-fn setup_dataplane(
-    args: &RunArgs,
-    config: &crate::gardener::config::NetworkConfig,
-    sizes: MapSizes,
-    features: crate::dataplane::features::KernelFeatures,
-) -> Result<Dataplane> {
-    let mut dp = Dataplane::load_with(&args.bpffs, sizes, features)?;
-    dp.xdp_mode = args.xdp_mode.unwrap_or_else(|| xdp_from_config(config.xdp.mode));
-    if !args.no_socket_lb && config.socket_lb.enabled {
-        let cg = match &args.cgroup {
-            Some(c) => c.clone(),
-            None => cgroup2_root()?,
-        };
-        dp.attach_socket_lb(&cg)?;
-        tracing::info!("socket LB attached to cgroup {} ({:?})", cg.display(), dp.links().last().map(|l| l.how));
-    }
+fn setup_dataplane(d: &DataplaneSettings, features: crate::dataplane::features::KernelFeatures) -> Result<Dataplane> {
+    let mut dp = Dataplane::load_with(&d.bpffs, d.sizes, features)?;
+    dp.xdp_mode = d.xdp_mode;
+    let cg = match &d.socket_lb {
+        SocketLb::Off => return Ok(dp),
+        SocketLb::At(c) => c.clone(),
+        SocketLb::NodeRoot => cgroup2_root()?,
+    };
+    dp.attach_socket_lb(&cg)?;
+    tracing::info!("socket LB attached to cgroup {} ({:?})", cg.display(), dp.links().last().map(|l| l.how));
     Ok(dp)
 }
 
@@ -775,80 +717,6 @@ fn publish_links(dir: &Path, snap: &[crate::links::LinkStatus]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    /// `gardenet-agent run`'s flags as main.rs declares them (args_override_self).
-    #[derive(Parser)]
-    #[command(args_override_self = true)]
-    struct Run {
-        #[command(flatten)]
-        args: RunArgs,
-    }
-
-    fn run_args(flags: &[&str]) -> RunArgs {
-        Run::try_parse_from(["run"].iter().chain(flags)).unwrap_or_else(|e| panic!("{flags:?}: {e}")).args
-    }
-
-    #[test]
-    fn node_settings_come_from_the_config_and_flags_win() {
-        let config = NetworkConfig::from_yaml_str(
-            "apiVersion: gardenet.networking.extensions.gardener.cloud/v1alpha1\nkind: NetworkConfig\n\
-             nodePortAddresses: [10.250.0.0/16]\nexternalIPs: {enabled: false}\nnodeLocalDNS: {enabled: true}\n",
-        )
-        .unwrap();
-        let s = node_settings(&run_args(&[]), &config).unwrap();
-        assert_eq!(s.node_port_addresses, ["10.250.0.0/16".parse().unwrap()]);
-        assert!(s.no_external_ips);
-        assert_eq!(s.local_redirects, ["kube-system/kube-dns=169.254.20.10".parse().unwrap()]);
-
-        let s = node_settings(&run_args(&[]), &NetworkConfig::default()).unwrap();
-        assert_eq!(s, NodeSettings { node_port_addresses: vec![NodePortAddress::Primary], no_external_ips: false, local_redirects: vec![] });
-
-        let a = run_args(&[
-            "--node-port-addresses",
-            "primary,192.168.0.0/16",
-            "--no-external-ips",
-            "--local-redirect",
-            "a/dns=169.254.0.53",
-            "--local-redirect",
-            "b/otel=fd00::10",
-        ]);
-        let s = node_settings(&a, &config).unwrap();
-        assert_eq!(s.node_port_addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>(), ["primary", "192.168.0.0/16"]);
-        assert!(s.no_external_ips);
-        let r: Vec<String> = s.local_redirects.iter().map(|r| format!("{}={}", r.service, r.address)).collect();
-        assert_eq!(r, ["a/dns=169.254.0.53", "b/otel=fd00::10"], "repeatable; replaces the config's rules");
-
-        let a = run_args(&["--local-redirect", "a/dns=169.254.0.53", "--local-redirect", "a/dns=169.254.0.54"]);
-        assert!(node_settings(&a, &config).is_err());
-        for bad in [
-            &["--node-port-addresses", "10.0.0.1"][..],
-            &["--node-port-addresses", "nonsense/8"],
-            &["--local-redirect", "dns=169.254.0.53"],
-            &["--local-redirect", "a/dns"],
-        ] {
-            assert!(Run::try_parse_from(["run"].iter().chain(bad)).is_err(), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn reserved_ports_follow_what_tc_lb_may_translate() {
-        use crate::dataplane::reserved_ports::PortRange;
-        use crate::gardener::config::Interfaces;
-        let want = |flags: &[&str], config: &Interfaces, no_snat: bool| {
-            let a = run_args(flags);
-            reserved_ports_guard(&a, &interface_selector(&a, config), no_snat).wanted().to_vec()
-        };
-        let (np, snat) = (PortRange::new(30000, 32767).unwrap(), PortRange::new(61000, 65535).unwrap());
-        let none = Interfaces { include: vec![], ..Default::default() };
-        assert_eq!(want(&[], &Interfaces::default(), false), [("NodePorts", np), ("source NAT", snat)]);
-        assert_eq!(want(&[], &Interfaces::default(), true), [("NodePorts", np)], "no source NAT on this kernel");
-        assert_eq!(want(&["--node-port-range=20000-22767"], &Interfaces::default(), true), [("NodePorts", PortRange::new(20000, 22767).unwrap())]);
-        assert_eq!(want(&[], &none, false), [], "socket LB alone translates no packet to the node");
-        assert_eq!(want(&["--tc-interface=eth0"], &none, false).len(), 2);
-        assert_eq!(want(&["--no-reserve-ports"], &Interfaces::default(), false), []);
-        assert!(Run::try_parse_from(["run", "--node-port-range=32767-30000"]).is_err());
-    }
 
     #[test]
     fn nodes_on_their_way_out_are_not_eligible() {

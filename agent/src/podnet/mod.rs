@@ -56,6 +56,20 @@ impl PodNetArgs {
     }
 }
 
+/// The pod network's part of the agent's settings (`--pod-network on`).
+#[derive(Clone, Debug)]
+pub struct PodNetSettings {
+    pub args: PodNetArgs,
+    pub mtu: Option<u32>,
+    pub masquerade: Masquerade,
+}
+
+impl PodNetSettings {
+    pub fn resolve(args: &PodNetArgs, config: &crate::gardener::config::NetworkConfig) -> Option<PodNetSettings> {
+        (args.pod_network == Switch::On).then(|| PodNetSettings { args: args.clone(), mtu: config.mtu, masquerade: config.masquerade.clone() })
+    }
+}
+
 /// The installer's state, driven by the run loop.
 pub struct PodNet {
     args: PodNetArgs,
@@ -71,10 +85,8 @@ pub struct PodNet {
 
 impl PodNet {
     /// Copies the plugins now (the runtime may look for them before the conflist exists).
-    pub fn start(args: &PodNetArgs, mtu: Option<u32>, masquerade: &Masquerade) -> Option<PodNet> {
-        if args.pod_network == Switch::Off {
-            return None;
-        }
+    pub fn start(settings: &PodNetSettings) -> PodNet {
+        let PodNetSettings { args, mtu, masquerade } = settings;
         let plugins = match install::install_plugins(&args.plugin_sources(), &args.cni_bin_dir) {
             Ok(changed) => {
                 if !changed.is_empty() {
@@ -87,16 +99,16 @@ impl PodNet {
                 Err(format!("{e:#}"))
             }
         };
-        Some(PodNet {
+        PodNet {
             args: args.clone(),
-            mtu,
+            mtu: *mtu,
             pod_cidrs: Vec::new(),
             node_ips: Vec::new(),
             plugins,
             written: None,
             masquerade: masquerade.clone(),
             masq_loaded: None,
-        })
+        }
     }
 
     /// This agent's Node: its pod CIDRs and InternalIPs.
