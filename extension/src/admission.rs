@@ -327,7 +327,8 @@ mod tests {
 
     #[test]
     fn the_pod_networks_settings_are_validated_by_field() {
-        let gardener_example = pc(json!({"ipam": {"type": "host-local", "cidr": "usePodCIDR"}, "mtu": 1450, "masquerade": {"nonMasqueradeCIDRs": ["10.250.0.0/16"]}}));
+        let gardener_example =
+            pc(json!({"ipam": {"type": "host-local", "cidr": "usePodCIDR"}, "mtu": 1450, "masquerade": {"nonMasqueradeCIDRs": ["10.250.0.0/16"]}}));
         assert_eq!(admission(shoot(net(gardener_example), false))["allowed"], true);
         for (extra, field) in [
             (json!({"ipam": {"type": "calico-ipam", "cidr": "usePodCIDR"}}), "ipam.type"),
